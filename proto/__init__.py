@@ -1,0 +1,31 @@
+"""The wire contract of splitserve: every message on every NATS subject.
+
+Each message is a versioned pydantic v2 model (``proto.messages``); the subject names live beside them
+(``proto.subjects``); ``proto.codec`` turns models into NATS payloads and back, and is the only place that
+knows the byte format. Nothing in the product publishes an ad-hoc dict.
+"""
+
+from proto.codec import (
+    HEADER_KIND,
+    HEADER_VERSION,
+    ProtocolError,
+    decode,
+    decode_stream,
+    encode,
+    headers_for,
+)
+from proto.messages import *  # noqa: F403
+from proto.messages import __all__ as _messages_all
+from proto.subjects import Subjects
+
+__all__ = [
+    "HEADER_KIND",
+    "HEADER_VERSION",
+    "ProtocolError",
+    "Subjects",
+    "decode",
+    "decode_stream",
+    "encode",
+    "headers_for",
+    *_messages_all,
+]

@@ -1,0 +1,400 @@
+"""Versioned message models for every subject in ``proto.subjects``.
+
+Every model carries ``v`` (the schema version it was written with) and a ``kind`` literal naming its type,
+so a receiver can tell a wrong-version message from a malformed one and answer precisely. Fields that
+carry token ids use :data:`proto.tokens.TokenIds` (packed uint32), so a 128k-token prompt stays compact.
+
+Compatibility rule: within one major ``v``, fields are only ever added with defaults; a receiver ignores
+fields it does not know (``extra="ignore"``) and rejects a ``v`` it does not speak.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from proto.subjects import check_token
+from proto.tokens import TokenIds
+
+PROTO_VERSION = 1
+
+__all__ = [
+    "PROTO_VERSION",
+    "Accepted",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheQuery",
+    "CacheQueryReply",
+    "ChatMessage",
+    "DecodeJob",
+    "ErrorCode",
+    "ErrorMessage",
+    "GenerateRequest",
+    "Heartbeat",
+    "KvEvent",
+    "KvEventBatch",
+    "KvHandle",
+    "KvReserveReply",
+    "KvReserveRequest",
+    "Message",
+    "PrefillDone",
+    "PrefillJob",
+    "RequestFinished",
+    "Route",
+    "SamplingParams",
+    "StreamDelta",
+    "StreamError",
+    "StreamFinal",
+    "StreamMessage",
+    "Timings",
+    "Usage",
+    "WorkerLoad",
+    "now_ms",
+]
+
+
+def now_ms() -> float:
+    return time.time() * 1000.0
+
+
+class Message(BaseModel):
+    """Base of every wire message."""
+
+    model_config = ConfigDict(
+        extra="ignore", populate_by_name=True, ser_json_bytes="base64", val_json_bytes="base64"
+    )
+    v: int = PROTO_VERSION
+
+
+class ErrorCode(StrEnum):
+    """Terminal error kinds a caller can act on."""
+
+    BAD_REQUEST = "bad_request"  # malformed or invalid message / parameters
+    UNSUPPORTED_VERSION = "unsupported_version"
+    PROMPT_TOO_LONG = "prompt_too_long"  # more tokens than the model or the tenant allows
+    PAYLOAD_TOO_LARGE = "payload_too_large"  # encoded message over the NATS payload limit
+    UNKNOWN_TENANT = "unknown_tenant"
+    QUOTA_EXCEEDED = "quota_exceeded"
+    NO_WORKERS = "no_workers"  # no live worker of a needed role within the bounded wait
+    WORKER_DIED = "worker_died"  # the worker serving the request stopped mid-request
+    KV_TRANSFER_FAILED = "kv_transfer_failed"
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"  # the request's deadline passed
+    BUSY = "busy"  # bounded queues are full; retry later
+    INTERNAL = "internal"
+
+
+class Route(StrEnum):
+    DIRECT = "direct"
+    DISAGGREGATED = "disaggregated"
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_tokens: int = Field(default=128, ge=1, le=1_000_000)
+    temperature: float = Field(default=0.0, ge=0.0, le=10.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, v: list[str]) -> list[str]:
+        if any(not s for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+
+class GenerateRequest(Message):
+    """A client's request for one completion. Exactly one of prompt / messages / prompt_token_ids."""
+
+    kind: Literal["generate_request"] = "generate_request"
+    request_id: str
+    tenant: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt_token_ids: TokenIds | None = None
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    session_id: str | None = Field(default=None, max_length=256)
+    stream_subject: str
+    created_ms: float = Field(default_factory=now_ms)
+    deadline_ms: float | None = None  # absolute unix ms; the request expires after it
+    priority: int = Field(default=0, ge=0, le=9)  # 0 = most urgent class within the tenant
+    # "auto" lets the router's threshold decide; the others force a path (debugging, benchmarks).
+    route: Literal["auto", "direct", "disaggregated"] = "auto"
+
+    @field_validator("request_id")
+    @classmethod
+    def _rid(cls, v: str) -> str:
+        return check_token(v, "request id")
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant(cls, v: str) -> str:
+        return check_token(v, "tenant")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        given = [x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)]
+        if sum(given) != 1:
+            raise ValueError("exactly one of prompt, messages or prompt_token_ids must be given")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        return self
+
+
+class Accepted(Message):
+    """The router's immediate answer to a GenerateRequest: it owns the request now."""
+
+    kind: Literal["accepted"] = "accepted"
+    request_id: str
+    router_id: str
+    prompt_tokens: int
+
+
+# ---------------------------------------------------------------------------------------------- jobs
+
+
+class DecodeJob(Message):
+    """What a decoder needs to serve a request. Sent directly (route=direct: the decoder prefills locally)
+    or inside a PrefillDone once the KV has landed in the decoder's reserved blocks."""
+
+    kind: Literal["decode_job"] = "decode_job"
+    request_id: str
+    tenant: str
+    prompt_token_ids: TokenIds
+    sampling: SamplingParams
+    stream_subject: str
+    route: Route
+    decoder_id: str
+    prefill_worker: str | None = None
+    created_ms: float  # when the client created the request (for end-to-end timing)
+    routed_ms: float = Field(default_factory=now_ms)
+    deadline_ms: float | None = None
+    decision: dict[str, Any] = Field(default_factory=dict)  # the routing decision record
+
+
+class PrefillJob(Message):
+    """Router -> prefiller: compute the prompt's KV and push it into the named decoder's reserved blocks."""
+
+    kind: Literal["prefill_job"] = "prefill_job"
+    decode: DecodeJob  # forwarded to the decoder inside PrefillDone
+
+
+class KvReserveRequest(Message):
+    kind: Literal["kv_reserve_request"] = "kv_reserve_request"
+    request_id: str
+    prefill_worker: str
+    num_tokens: int = Field(ge=1)
+    transport: str
+
+
+class KvReserveReply(Message):
+    kind: Literal["kv_reserve_reply"] = "kv_reserve_reply"
+    request_id: str
+    ok: bool
+    transfer_id: str | None = None
+    block_ids: list[int] = Field(default_factory=list)
+    descriptor: bytes | None = None  # transport-specific target blob (base64 in JSON)
+    lease_ms: float = 0.0  # the reservation is freed if no PrefillDone arrives in time
+    retry_after_ms: float | None = None  # set when the buffer is full: try again later
+    error: str | None = None
+
+
+class KvHandle(BaseModel):
+    """Where a request's KV now sits on the decoder, and what it cost to get it there."""
+
+    model_config = ConfigDict(extra="ignore")
+    transfer_id: str
+    num_tokens: int
+    cached_tokens: int = 0
+    kv_bytes: int
+    transport: str
+    prefill_ms: float
+    transfer_ms: float
+    started_ms: float | None = None  # when the prefiller started the job (unix ms)
+
+
+class PrefillDone(Message):
+    """Prefiller -> decoder: the KV has landed (the transport confirmed it); here is the first token."""
+
+    kind: Literal["prefill_done"] = "prefill_done"
+    request_id: str
+    first_token: int
+    kv: KvHandle
+    decode: DecodeJob
+
+
+# ---------------------------------------------------------------------------------------------- stream
+
+
+class Usage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class Timings(BaseModel):
+    """Server-side timings of one request, all in milliseconds."""
+
+    model_config = ConfigDict(extra="ignore")
+    queue_ms: float | None = None  # created -> routed
+    dispatch_ms: float | None = None  # created -> the first worker starts the job (control-plane overhead)
+    prefill_ms: float | None = None
+    transfer_ms: float | None = None
+    ttft_server_ms: float | None = None  # created -> first token published
+    total_ms: float | None = None
+
+
+class StreamDelta(Message):
+    kind: Literal["delta"] = "delta"
+    request_id: str
+    seq: int  # 0, 1, 2, ... per request; the final message continues the sequence
+    token_ids: list[int]
+    text: str
+
+
+class StreamFinal(Message):
+    kind: Literal["final"] = "final"
+    request_id: str
+    seq: int
+    token_ids: list[int]  # every generated token
+    text: str
+    finish_reason: Literal["stop", "length", "cancelled", "expired"]
+    usage: Usage
+    route: Route
+    prefill_worker: str | None
+    decode_worker: str
+    timings: Timings = Field(default_factory=Timings)
+    decision: dict[str, Any] = Field(default_factory=dict)
+
+
+class StreamError(Message):
+    """Terminal error on a request's stream (also used as the reply to a rejected GenerateRequest)."""
+
+    kind: Literal["error"] = "error"
+    request_id: str | None = None
+    seq: int | None = None
+    code: ErrorCode
+    message: str
+    retryable: bool = False
+    retry_after_ms: float | None = None
+    worker: str | None = None
+
+
+ErrorMessage = StreamError
+
+StreamMessage = Annotated[StreamDelta | StreamFinal | StreamError, Field(discriminator="kind")]
+
+
+class RequestFinished(Message):
+    """Emitted once per request when it ends (any outcome): in-flight tracking and usage metering."""
+
+    kind: Literal["request_finished"] = "request_finished"
+    request_id: str
+    tenant: str
+    worker_id: str
+    status: Literal["ok", "error", "cancelled", "expired"]
+    usage: Usage | None = None
+    error_code: ErrorCode | None = None
+    route: Route | None = None
+
+
+# ---------------------------------------------------------------------------------------------- workers
+
+
+class WorkerLoad(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    active_seqs: int = 0
+    queued_requests: int = 0
+    queued_prefill_tokens: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    reserved_blocks: int = 0  # blocks leased to incoming KV transfers
+    used_blocks: int = 0  # blocks holding active sequences' KV
+
+
+class Heartbeat(Message):
+    kind: Literal["heartbeat"] = "heartbeat"
+    worker_id: str
+    role: Literal["router", "prefill", "decode", "cache_index", "frontend"]
+    seq: int
+    ts_ms: float = Field(default_factory=now_ms)
+    state: Literal["starting", "ready", "draining", "stopped"] = "ready"
+    interval_ms: float = 500.0
+    pid: int | None = None
+    engine: str | None = None
+    model: str | None = None
+    max_model_len: int | None = None
+    transport: str | None = None
+    block_size: int | None = None
+    load: WorkerLoad = Field(default_factory=WorkerLoad)
+    active_requests: list[str] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------- KV events
+# Mirrors vLLM's kv_events.py (BlockStored / BlockRemoved / AllBlocksCleared in a sequenced batch) so that
+# vLLM's own events can be bridged onto the same subjects.
+
+
+class BlockStored(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["stored"] = "stored"
+    block_hashes: list[int]
+    parent_block_hash: int | None = None
+    token_ids: list[int] | None = None
+    block_size: int
+    lora_id: int | None = None
+    medium: str = "gpu"
+
+
+class BlockRemoved(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["removed"] = "removed"
+    block_hashes: list[int]
+    medium: str = "gpu"
+
+
+class AllBlocksCleared(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["cleared"] = "cleared"
+    medium: str | None = None
+
+
+KvEvent = Annotated[BlockStored | BlockRemoved | AllBlocksCleared, Field(discriminator="type")]
+
+
+class KvEventBatch(Message):
+    kind: Literal["kv_event_batch"] = "kv_event_batch"
+    worker_id: str
+    seq: int  # per worker, +1 per batch: a jump means events were lost and the index must resync
+    ts_ms: float = Field(default_factory=now_ms)
+    events: list[KvEvent]
+
+
+class CacheQuery(Message):
+    kind: Literal["cache_query"] = "cache_query"
+    block_hashes: list[int]
+
+
+class CacheQueryReply(Message):
+    kind: Literal["cache_query_reply"] = "cache_query_reply"
+    matched_blocks: dict[str, int]  # worker id -> leading blocks held

@@ -1,0 +1,80 @@
+"""NATS subject names: the one place that spells them.
+
+Layout (``ss`` is the product prefix; ``{tenant}`` and ``{worker}`` are single tokens without dots):
+
+  ss.req.{tenant}                 client -> router, request/reply: GenerateRequest -> Accepted | ErrorMessage
+  ss.stream.{tenant}.{request}    decoder/router -> client: StreamDelta*, then StreamFinal | StreamError
+  ss.prefill.{worker}.job         router -> prefiller: PrefillJob
+  ss.decode.{worker}.job          router -> decoder: DecodeJob (direct path, decoder prefills locally)
+  ss.decode.{worker}.reserve      prefiller -> decoder, request/reply: KvReserveRequest -> KvReserveReply
+  ss.decode.{worker}.kvready      prefiller -> decoder: PrefillDone (KV landed; carries the decode job)
+  ss.hb.{role}.{worker}           every service: Heartbeat
+  ss.kv.{worker}                  workers: KvEventBatch (blocks stored/removed/cleared)
+  ss.evt.finished.{tenant}        decoder/prefiller/router: RequestFinished (accounting, in-flight tracking)
+  ss.cache.query                  router -> cache index, request/reply: CacheQuery -> CacheQueryReply
+
+Per-tenant tokens in the request and stream subjects are what lets NATS permissions isolate tenants.
+"""
+
+from __future__ import annotations
+
+import re
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_token(value: str, what: str) -> str:
+    """Validate one subject token (tenant, worker or request id): no dots, wildcards or spaces."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} must be 1-64 characters of letters, digits, '_' or '-'")
+    return value
+
+
+class Subjects:
+    PREFIX = "ss"
+    ROUTER_QUEUE = "routers"
+
+    @staticmethod
+    def request(tenant: str) -> str:
+        return f"ss.req.{check_token(tenant, 'tenant')}"
+
+    REQUEST_ALL = "ss.req.*"
+
+    @staticmethod
+    def stream(tenant: str, request_id: str) -> str:
+        return f"ss.stream.{check_token(tenant, 'tenant')}.{check_token(request_id, 'request id')}"
+
+    @staticmethod
+    def prefill_job(worker: str) -> str:
+        return f"ss.prefill.{check_token(worker, 'worker id')}.job"
+
+    @staticmethod
+    def decode_job(worker: str) -> str:
+        return f"ss.decode.{check_token(worker, 'worker id')}.job"
+
+    @staticmethod
+    def kv_reserve(worker: str) -> str:
+        return f"ss.decode.{check_token(worker, 'worker id')}.reserve"
+
+    @staticmethod
+    def kv_ready(worker: str) -> str:
+        return f"ss.decode.{check_token(worker, 'worker id')}.kvready"
+
+    @staticmethod
+    def heartbeat(role: str, worker: str) -> str:
+        return f"ss.hb.{check_token(role, 'role')}.{check_token(worker, 'worker id')}"
+
+    HEARTBEAT_ALL = "ss.hb.>"
+
+    @staticmethod
+    def kv_events(worker: str) -> str:
+        return f"ss.kv.{check_token(worker, 'worker id')}"
+
+    KV_EVENTS_ALL = "ss.kv.*"
+
+    @staticmethod
+    def finished(tenant: str) -> str:
+        return f"ss.evt.finished.{check_token(tenant, 'tenant')}"
+
+    FINISHED_ALL = "ss.evt.finished.*"
+    CACHE_QUERY = "ss.cache.query"

@@ -1,0 +1,25 @@
+"""``python -m services.cache_index``: run the cache-index service."""
+
+from __future__ import annotations
+
+import typer
+
+from services.common import cli
+from splitserve.runtime.service import run_service
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(
+    nats_url: str = cli.NatsUrl,
+    worker_id: str = typer.Option("cache-index-0"),
+    log_level: str = cli.LogLevel,
+) -> None:
+    from services.cache_index.service import CacheIndexService
+
+    run_service(CacheIndexService(worker_id, nats_url, log_level=log_level))
+
+
+if __name__ == "__main__":
+    app()

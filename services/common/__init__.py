@@ -1,0 +1,1 @@
+"""Pieces shared by the worker services (engine thread, option parsing)."""

@@ -1,0 +1,37 @@
+"""``python -m services.decode``: run one decode worker process."""
+
+from __future__ import annotations
+
+import typer
+
+from services.common import cli
+from services.common.options import EngineOptions
+from splitserve.runtime.service import run_service
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(
+    nats_url: str = cli.NatsUrl,
+    worker_id: str = typer.Option("decode-0"),
+    engine: str = cli.Engine,
+    model: str | None = cli.Model,
+    dtype: str = cli.Dtype,
+    threads: int | None = cli.Threads,
+    block_size: int = cli.BlockSize,
+    transport: str = cli.Transport,
+    landing_tokens: int = typer.Option(16384, help="KV landing buffer size in tokens"),
+    max_batch: int = typer.Option(16, help="most sequences decoded together"),
+    log_level: str = cli.LogLevel,
+) -> None:
+    from services.decode.service import DecodeService
+
+    opts = EngineOptions(engine=engine, model=model, dtype=dtype, threads=threads, block_size=block_size,
+                         transport=transport)
+    run_service(DecodeService(worker_id, nats_url, opts=opts, landing_tokens=landing_tokens,
+                              max_batch=max_batch, log_level=log_level))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,332 @@
+"""Decode worker service.
+
+Inputs: DecodeJob (direct path: prefill locally), KvReserveRequest (lease landing blocks for a
+prefiller's push), PrefillDone (the KV landed: continue from it). One engine loop admits new sequences
+between batched decode steps and streams every token to the request's stream subject in order
+(``seq`` 0, 1, ...), then one StreamFinal, or one StreamError. A RequestFinished event closes the
+router's in-flight record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from nats.aio.msg import Msg
+
+from proto import (
+    DecodeJob,
+    ErrorCode,
+    KvReserveReply,
+    KvReserveRequest,
+    PrefillDone,
+    RequestFinished,
+    Route,
+    StreamDelta,
+    StreamError,
+    StreamFinal,
+    Subjects,
+    Timings,
+    Usage,
+    WorkerLoad,
+    now_ms,
+)
+from services.common.engine_thread import EngineThread
+from services.common.options import EngineOptions
+from splitserve.engines import PromptTooLong, Sampling
+from splitserve.engines.detok import IncrementalDetokenizer, StopChecker
+from splitserve.kv import BlockPool, KvLayout, make_receiver
+from splitserve.obs import tracing
+from splitserve.runtime.service import Service
+
+
+@dataclass
+class Reservation:
+    transfer_id: str
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    expires: float
+
+
+@dataclass
+class Admission:
+    job: DecodeJob
+    kv: torch.Tensor | None = None  # landed KV (disaggregated) or None (prefill locally)
+    first_token: int | None = None
+    cached_tokens: int = 0
+    prefill_ms: float | None = None
+    transfer_ms: float | None = None
+    headers: dict[str, str] | None = None
+    started_ms: float | None = None  # when the first worker started the job
+
+
+@dataclass
+class Sequence:
+    job: DecodeJob
+    detok: IncrementalDetokenizer
+    stop: StopChecker
+    generated: list[int] = field(default_factory=list)
+    text: str = ""
+    seq_no: int = 0
+    cached_tokens: int = 0
+    timings: Timings = field(default_factory=Timings)
+    started: float = field(default_factory=time.perf_counter)
+
+
+class DecodeService(Service):
+    role = "decode"
+
+    def __init__(
+        self,
+        worker_id: str,
+        nats_url: str,
+        *,
+        opts: EngineOptions,
+        landing_tokens: int = 16384,
+        max_batch: int = 16,
+        lease_s: float = 30.0,
+        **kw: Any,
+    ) -> None:
+        super().__init__(worker_id, nats_url, **kw)
+        self.opts = opts
+        self.landing_tokens = landing_tokens
+        self.max_batch = max_batch
+        self.lease_s = lease_s
+        self.pending: deque[Admission] = deque()
+        self.active: dict[str, Sequence] = {}
+        self.reservations: dict[str, Reservation] = {}
+        self._wake = asyncio.Event()
+        self.thread = EngineThread(f"decode-{worker_id}")
+
+    # --- lifecycle ------------------------------------------------------------------------------------
+    async def setup(self) -> None:
+        self.engine = await self.thread.run(self.opts.load)
+        info = self.engine.info
+        self.layout = KvLayout(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
+                               head_dim=info.head_dim, block_size=self.opts.block_size,
+                               dtype=getattr(torch, info.dtype))
+        self.pool = BlockPool(self.layout, self.layout.blocks_for_tokens(self.landing_tokens))
+        self.receiver = await asyncio.to_thread(make_receiver, self.opts.transport, self.pool)
+
+    async def start(self) -> None:
+        b = self.b
+        await b.subscribe(Subjects.decode_job(self.worker_id), DecodeJob, self.on_job)
+        await b.subscribe(Subjects.kv_reserve(self.worker_id), KvReserveRequest, self.on_reserve)
+        await b.subscribe(Subjects.kv_ready(self.worker_id), PrefillDone, self.on_kv_ready, concurrent=True)
+        b.spawn(self._engine_loop())
+        b.spawn(self._lease_sweeper())
+
+    async def shutdown(self) -> None:
+        for seq in list(self.active.values()):
+            await self._error(seq.job, ErrorCode.WORKER_DIED, f"decode worker {self.worker_id} is shutting down")
+        for adm in list(self.pending):
+            await self._error(adm.job, ErrorCode.WORKER_DIED, f"decode worker {self.worker_id} is shutting down")
+        self.receiver.close()
+        self.thread.close()
+
+    def load(self) -> WorkerLoad:
+        reserved = sum(len(r.block_ids) for r in self.reservations.values())
+        return WorkerLoad(
+            active_seqs=len(self.active),
+            queued_requests=len(self.pending),
+            queued_prefill_tokens=sum(len(a.job.prompt_token_ids) for a in self.pending if a.kv is None),
+            free_blocks=self.pool.num_free if hasattr(self, "pool") else 0,
+            total_blocks=self.pool.num_blocks if hasattr(self, "pool") else 0,
+            reserved_blocks=reserved,
+            used_blocks=sum(len(s.job.prompt_token_ids) + len(s.generated) for s in self.active.values())
+            // max(1, self.opts.block_size),
+        )
+
+    def active_requests(self) -> list[str]:
+        return [*self.active, *(a.job.request_id for a in self.pending),
+                *(r.request_id for r in self.reservations.values())]
+
+    def heartbeat_extra(self) -> dict[str, Any]:
+        if not hasattr(self, "engine"):
+            return {"engine": self.opts.engine, "transport": self.opts.transport}
+        return {"engine": self.opts.engine, "model": self.engine.info.name,
+                "max_model_len": self.engine.info.max_model_len, "transport": self.opts.transport,
+                "block_size": self.opts.block_size}
+
+    # --- inputs ---------------------------------------------------------------------------------------
+    async def on_job(self, job: DecodeJob, msg: Msg) -> None:
+        self.pending.append(Admission(job=job, headers=dict(msg.headers or {})))
+        self._wake.set()
+
+    async def on_reserve(self, req: KvReserveRequest, msg: Msg) -> None:
+        if req.transport != self.opts.transport:
+            await self.b.respond(msg, KvReserveReply(
+                request_id=req.request_id, ok=False,
+                error=f"decoder {self.worker_id} receives KV over {self.opts.transport!r}, not {req.transport!r}"))
+            return
+        need = self.layout.blocks_for_tokens(req.num_tokens)
+        if need > self.pool.num_blocks:
+            await self.b.respond(msg, KvReserveReply(
+                request_id=req.request_id, ok=False,
+                error=f"{req.num_tokens} tokens need {need} blocks; decoder {self.worker_id} has only "
+                      f"{self.pool.num_blocks} landing blocks in total"))
+            return
+        blocks = self.pool.try_allocate(need)
+        if blocks is None:
+            # Full: the prefiller waits and retries; the request is never dropped for it.
+            await self.b.respond(msg, KvReserveReply(request_id=req.request_id, ok=False, retry_after_ms=50.0))
+            return
+        tid = uuid.uuid4().hex
+        self.reservations[tid] = Reservation(tid, req.request_id, blocks, req.num_tokens,
+                                             time.monotonic() + self.lease_s)
+        desc = self.receiver.descriptor(blocks)
+        await self.b.respond(msg, KvReserveReply(request_id=req.request_id, ok=True, transfer_id=tid,
+                                                 block_ids=blocks, descriptor=desc,
+                                                 lease_ms=self.lease_s * 1000))
+
+    async def on_kv_ready(self, done: PrefillDone, msg: Msg) -> None:
+        res = self.reservations.pop(done.kv.transfer_id, None)
+        if res is None:
+            await self._error(done.decode, ErrorCode.KV_TRANSFER_FAILED,
+                              f"KV reservation {done.kv.transfer_id} on decoder {self.worker_id} is unknown or "
+                              f"expired (lease {self.lease_s:.0f}s)")
+            return
+        try:
+            await self.receiver.wait(res.transfer_id, timeout=10.0)
+            kv = self.pool.gather(res.block_ids, done.kv.num_tokens)
+        except Exception as exc:
+            await self._error(done.decode, ErrorCode.KV_TRANSFER_FAILED, f"KV did not land: {exc}")
+            return
+        finally:
+            self.pool.free(res.block_ids)
+        self.pending.append(Admission(job=done.decode, kv=kv, first_token=done.first_token,
+                                      cached_tokens=done.kv.cached_tokens, prefill_ms=done.kv.prefill_ms,
+                                      transfer_ms=done.kv.transfer_ms, headers=dict(msg.headers or {}),
+                                      started_ms=done.kv.started_ms))
+        self._wake.set()
+
+    async def _lease_sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for tid, res in list(self.reservations.items()):
+                if res.expires < now:
+                    self.reservations.pop(tid, None)
+                    self.pool.free(res.block_ids)
+                    self.log.warning("reservation_expired", request_id=res.request_id, transfer_id=tid)
+
+    # --- the engine loop ------------------------------------------------------------------------------
+    async def _engine_loop(self) -> None:
+        while True:
+            try:
+                if self.pending and len(self.active) < self.max_batch:
+                    await self._admit(self.pending.popleft())
+                    continue
+                if self.active:
+                    await self._step()
+                    continue
+                self._wake.clear()
+                await self._wake.wait()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # engine failure: fail what it held, keep serving
+                self.log.exception("engine_loop_error", error=str(exc))
+                for seq in list(self.active.values()):
+                    await self._drop(seq.job.request_id)
+                    await self._error(seq.job, ErrorCode.INTERNAL, f"decode engine failed: {exc}")
+
+    async def _admit(self, adm: Admission) -> None:
+        job = adm.job
+        started_ms = adm.started_ms or now_ms()
+        if job.deadline_ms is not None and now_ms() > job.deadline_ms:
+            await self._error(job, ErrorCode.EXPIRED, "the request's deadline passed before decoding started")
+            return
+        sampling = Sampling(temperature=job.sampling.temperature, top_p=job.sampling.top_p,
+                            seed=job.sampling.seed)
+        kv, first, prefill_ms = adm.kv, adm.first_token, adm.prefill_ms
+        with tracing.span_from(adm.headers, "decode.admit", request_id=job.request_id,
+                               route=str(job.route), prompt_tokens=len(job.prompt_token_ids)):
+            if kv is None:
+                t0 = time.perf_counter()
+                try:
+                    res = await self.thread.run(self.engine.prefill, job.prompt_token_ids, sampling)
+                except PromptTooLong as exc:
+                    await self._error(job, ErrorCode.PROMPT_TOO_LONG, str(exc))
+                    return
+                prefill_ms = (time.perf_counter() - t0) * 1000
+                kv, first = res.kv, res.first_token
+            assert first is not None
+            await self.thread.run(self.engine.add_sequence, job.request_id, kv, first, sampling)
+        seq = Sequence(
+            job=job,
+            detok=IncrementalDetokenizer(self.engine, job.prompt_token_ids),
+            stop=StopChecker(job.sampling.stop, () if job.sampling.ignore_eos else self.engine.info.eos_token_ids,
+                             self._max_new(job)),
+            cached_tokens=adm.cached_tokens,
+            timings=Timings(queue_ms=job.routed_ms - job.created_ms, dispatch_ms=started_ms - job.created_ms,
+                            prefill_ms=prefill_ms,
+                            transfer_ms=adm.transfer_ms),
+        )
+        self.active[job.request_id] = seq
+        await self._emit(seq, first)
+
+    def _max_new(self, job: DecodeJob) -> int:
+        room = self.engine.info.max_model_len - len(job.prompt_token_ids)
+        return max(1, min(job.sampling.max_tokens, room))
+
+    async def _step(self) -> None:
+        out = await self.thread.run(self.engine.step)
+        for rid, tok in out.items():
+            seq = self.active.get(rid)
+            if seq is not None:
+                await self._emit(seq, tok)
+
+    async def _emit(self, seq: Sequence, token: int) -> None:
+        job = seq.job
+        if seq.seq_no == 0:
+            seq.timings.ttft_server_ms = now_ms() - job.created_ms
+        seq.generated.append(token)
+        upd = seq.stop.update(token, seq.detok.feed(token))
+        text, reason = upd.text, upd.finish_reason
+        if reason == "length":
+            text += seq.detok.flush()  # release a character still waiting for bytes that will never come
+        seq.text += text
+        if text or reason is None:
+            await self.b.publish(job.stream_subject, StreamDelta(request_id=job.request_id, seq=seq.seq_no,
+                                                                 token_ids=[token], text=text))
+            seq.seq_no += 1
+        if reason is not None:
+            await self._finish(seq, reason)
+
+    async def _finish(self, seq: Sequence, reason: str) -> None:
+        job = seq.job
+        await self._drop(job.request_id)
+        seq.timings.total_ms = now_ms() - job.created_ms
+        usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(seq.generated),
+                      cached_tokens=seq.cached_tokens)
+        final = StreamFinal(
+            request_id=job.request_id, seq=seq.seq_no, token_ids=seq.generated, text=seq.text,
+            finish_reason=reason,  # type: ignore[arg-type]
+            usage=usage, route=job.route, prefill_worker=job.prefill_worker, decode_worker=self.worker_id,
+            timings=seq.timings, decision=job.decision,
+        )
+        await self.b.publish(job.stream_subject, final)
+        await self.b.publish(Subjects.finished(job.tenant), RequestFinished(
+            request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id, status="ok", usage=usage,
+            route=job.route))
+        self.log.info("finished", request_id=job.request_id, tenant=job.tenant, finish_reason=reason,
+                      completion_tokens=len(seq.generated), route=str(job.route),
+                      total_ms=round(seq.timings.total_ms or 0, 1))
+
+    async def _drop(self, request_id: str) -> None:
+        if self.active.pop(request_id, None) is not None:
+            await self.thread.run(self.engine.remove_sequence, request_id)
+
+    async def _error(self, job: DecodeJob, code: ErrorCode, message: str) -> None:
+        self.log.warning("request_failed", request_id=job.request_id, code=str(code), reason=message)
+        await self.b.publish(job.stream_subject, StreamError(request_id=job.request_id, code=code,
+                                                             message=message, worker=self.worker_id))
+        await self.b.publish(Subjects.finished(job.tenant), RequestFinished(
+            request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id, status="error",
+            error_code=code, route=job.route if isinstance(job.route, Route) else None))

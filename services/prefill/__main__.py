@@ -1,0 +1,34 @@
+"""``python -m services.prefill``: run one prefill worker process."""
+
+from __future__ import annotations
+
+import typer
+
+from services.common import cli
+from services.common.options import EngineOptions
+from splitserve.runtime.service import run_service
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(
+    nats_url: str = cli.NatsUrl,
+    worker_id: str = typer.Option("prefill-0"),
+    engine: str = cli.Engine,
+    model: str | None = cli.Model,
+    dtype: str = cli.Dtype,
+    threads: int | None = cli.Threads,
+    block_size: int = cli.BlockSize,
+    transport: str = cli.Transport,
+    log_level: str = cli.LogLevel,
+) -> None:
+    from services.prefill.service import PrefillService
+
+    opts = EngineOptions(engine=engine, model=model, dtype=dtype, threads=threads, block_size=block_size,
+                         transport=transport)
+    run_service(PrefillService(worker_id, nats_url, opts=opts, log_level=log_level))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,216 @@
+"""Prefill worker service.
+
+For each PrefillJob (one at a time; prefill is compute-bound and the engine is single-threaded):
+reserve landing blocks on the named decoder (waiting while its buffer is full, never dropping the job),
+compute the KV, push it with the KV transport straight into those blocks, then publish PrefillDone with
+the first token to the decoder. KV bytes never travel over NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import Any
+
+import torch
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from proto import (
+    DecodeJob,
+    ErrorCode,
+    KvHandle,
+    KvReserveReply,
+    KvReserveRequest,
+    PrefillDone,
+    PrefillJob,
+    RequestFinished,
+    StreamError,
+    Subjects,
+    WorkerLoad,
+    now_ms,
+)
+from services.common.engine_thread import EngineThread
+from services.common.options import EngineOptions
+from splitserve.engines import PromptTooLong, Sampling
+from splitserve.kv import BlockPool, KvLayout, make_sender
+from splitserve.obs import tracing
+from splitserve.runtime.service import Service
+
+
+class JobFailed(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PrefillService(Service):
+    role = "prefill"
+
+    def __init__(
+        self,
+        worker_id: str,
+        nats_url: str,
+        *,
+        opts: EngineOptions,
+        staging_tokens: int | None = None,
+        reserve_wait_s: float = 60.0,
+        **kw: Any,
+    ) -> None:
+        super().__init__(worker_id, nats_url, **kw)
+        self.opts = opts
+        self.staging_tokens = staging_tokens
+        self.reserve_wait_s = reserve_wait_s
+        self.queue: deque[tuple[PrefillJob, dict[str, str]]] = deque()
+        self.current: DecodeJob | None = None
+        self._wake = asyncio.Event()
+        self.thread = EngineThread(f"prefill-{worker_id}")
+
+    async def setup(self) -> None:
+        self.engine = await self.thread.run(self.opts.load)
+        info = self.engine.info
+        self.layout = KvLayout(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
+                               head_dim=info.head_dim, block_size=self.opts.block_size,
+                               dtype=getattr(torch, info.dtype))
+        # Staging holds one prompt's KV at a time: size it for the longest prompt the model takes.
+        tokens = self.staging_tokens or info.max_model_len
+        self.pool = BlockPool(self.layout, self.layout.blocks_for_tokens(tokens))
+        self.sender = await asyncio.to_thread(make_sender, self.opts.transport, self.pool)
+
+    async def start(self) -> None:
+        await self.b.subscribe(Subjects.prefill_job(self.worker_id), PrefillJob, self.on_job)
+        self.b.spawn(self._loop())
+
+    async def shutdown(self) -> None:
+        for job, _ in list(self.queue):
+            await self._fail(job.decode, ErrorCode.WORKER_DIED, f"prefill worker {self.worker_id} is shutting down")
+        self.sender.close()
+        self.thread.close()
+
+    def load(self) -> WorkerLoad:
+        queued = sum(len(j.decode.prompt_token_ids) for j, _ in self.queue)
+        if self.current is not None:
+            queued += len(self.current.prompt_token_ids)
+        return WorkerLoad(active_seqs=int(self.current is not None), queued_requests=len(self.queue),
+                          queued_prefill_tokens=queued)
+
+    def active_requests(self) -> list[str]:
+        ids = [j.decode.request_id for j, _ in self.queue]
+        if self.current is not None:
+            ids.append(self.current.request_id)
+        return ids
+
+    def heartbeat_extra(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {"engine": self.opts.engine, "transport": self.opts.transport,
+                                 "block_size": self.opts.block_size}
+        if hasattr(self, "engine"):
+            extra.update(model=self.engine.info.name, max_model_len=self.engine.info.max_model_len)
+        return extra
+
+    async def on_job(self, job: PrefillJob, msg: Msg) -> None:
+        self.queue.append((job, dict(msg.headers or {})))
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            job, headers = self.queue.popleft()
+            self.current = job.decode
+            try:
+                with tracing.span_from(headers, "prefill.job", request_id=job.decode.request_id,
+                                       prompt_tokens=len(job.decode.prompt_token_ids)) as sp:
+                    try:
+                        await self._run(job.decode)
+                    except JobFailed as exc:
+                        tracing.record_error(sp, str(exc))
+                        await self._fail(job.decode, exc.code, str(exc))
+                    except Exception as exc:
+                        self.log.exception("prefill_failed", request_id=job.decode.request_id)
+                        tracing.record_error(sp, exc)
+                        await self._fail(job.decode, ErrorCode.INTERNAL, f"prefill failed: {exc}")
+            finally:
+                self.current = None
+
+    async def _reserve(self, job: DecodeJob) -> KvReserveReply:
+        req = KvReserveRequest(request_id=job.request_id, prefill_worker=self.worker_id,
+                               num_tokens=len(job.prompt_token_ids), transport=self.opts.transport)
+        give_up = time.monotonic() + self.reserve_wait_s
+        while True:
+            try:
+                reply = await self.b.request(Subjects.kv_reserve(job.decoder_id), req, KvReserveReply, timeout=5.0)
+            except NoRespondersError:
+                raise JobFailed(ErrorCode.WORKER_DIED, f"decode worker {job.decoder_id} is not running "
+                                "(no responder for its KV reservation subject)") from None
+            except (NatsTimeout, TimeoutError):
+                raise JobFailed(ErrorCode.WORKER_DIED,
+                                f"decode worker {job.decoder_id} did not answer the KV reservation in 5s") from None
+            if isinstance(reply, StreamError):
+                raise JobFailed(ErrorCode.KV_TRANSFER_FAILED, f"decoder refused the reservation: {reply.message}")
+            if reply.ok:
+                return reply
+            if reply.retry_after_ms is None:
+                raise JobFailed(ErrorCode.KV_TRANSFER_FAILED, reply.error or "decoder refused the reservation")
+            if time.monotonic() > give_up:
+                raise JobFailed(ErrorCode.TIMEOUT, f"decode worker {job.decoder_id}'s KV buffer stayed full for "
+                                f"{self.reserve_wait_s:.0f}s")
+            if job.deadline_ms is not None and now_ms() > job.deadline_ms:
+                raise JobFailed(ErrorCode.EXPIRED, "the request's deadline passed while waiting for KV space")
+            await asyncio.sleep(reply.retry_after_ms / 1000.0)
+
+    async def _run(self, job: DecodeJob) -> None:
+        started_ms = now_ms()
+        if job.deadline_ms is not None and now_ms() > job.deadline_ms:
+            raise JobFailed(ErrorCode.EXPIRED, "the request's deadline passed before prefill started")
+        ids = job.prompt_token_ids
+        if len(ids) >= self.engine.info.max_model_len:
+            raise JobFailed(ErrorCode.PROMPT_TOO_LONG,
+                            f"prompt has {len(ids):,} tokens; model max is {self.engine.info.max_model_len - 1:,}")
+        reservation = await self._reserve(job)
+        sampling = Sampling(temperature=job.sampling.temperature, top_p=job.sampling.top_p, seed=job.sampling.seed)
+        t0 = time.perf_counter()
+        try:
+            res = await self.thread.run(self.engine.prefill, ids, sampling)
+        except PromptTooLong as exc:
+            raise JobFailed(ErrorCode.PROMPT_TOO_LONG, str(exc)) from None
+        prefill_ms = (time.perf_counter() - t0) * 1000
+        src = self.pool.try_allocate(self.layout.blocks_for_tokens(len(ids)))
+        if src is None:
+            raise JobFailed(ErrorCode.INTERNAL, "prefill staging buffer exhausted")
+        try:
+            await self.thread.run(self.pool.scatter, res.kv, src)
+            assert reservation.transfer_id is not None and reservation.descriptor is not None
+            with tracing.tracer().start_as_current_span("kv.push") as sp:
+                try:
+                    stats = await self.sender.push(reservation.transfer_id, src, reservation.descriptor)
+                except Exception as exc:
+                    raise JobFailed(ErrorCode.KV_TRANSFER_FAILED,
+                                    f"KV push to decode worker {job.decoder_id} failed: {exc}") from None
+                sp.set_attribute("kv.bytes", stats.bytes)
+                sp.set_attribute("kv.transport", stats.transport)
+                sp.set_attribute("kv.seconds", stats.seconds)
+        finally:
+            self.pool.free(src)
+        done = PrefillDone(
+            request_id=job.request_id, first_token=res.first_token,
+            kv=KvHandle(transfer_id=reservation.transfer_id, num_tokens=len(ids),
+                        cached_tokens=len(ids) - res.num_computed_tokens, kv_bytes=stats.bytes,
+                        transport=stats.transport, prefill_ms=prefill_ms, transfer_ms=stats.seconds * 1000,
+                        started_ms=started_ms),
+            decode=job,
+        )
+        await self.b.publish(Subjects.kv_ready(job.decoder_id), done)
+        self.log.info("prefilled", request_id=job.request_id, tokens=len(ids), prefill_ms=round(prefill_ms, 1),
+                      kv_bytes=stats.bytes, transfer_ms=round(stats.seconds * 1000, 2), decoder=job.decoder_id)
+
+    async def _fail(self, job: DecodeJob, code: ErrorCode, message: str) -> None:
+        self.log.warning("request_failed", request_id=job.request_id, code=str(code), reason=message)
+        await self.b.publish(job.stream_subject, StreamError(request_id=job.request_id, code=code, message=message,
+                                                             worker=self.worker_id))
+        await self.b.publish(Subjects.finished(job.tenant), RequestFinished(
+            request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id, status="error",
+            error_code=code, route=job.route))

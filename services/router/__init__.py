@@ -1,0 +1,1 @@
+"""The router: accepts requests, tokenizes, asks the routing policy where to go, publishes the job."""

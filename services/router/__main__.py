@@ -1,0 +1,30 @@
+"""``python -m services.router``: run one router process."""
+
+from __future__ import annotations
+
+import typer
+
+from splitserve.runtime.service import run_service
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(
+    nats_url: str = typer.Option("nats://127.0.0.1:4222", envvar="SPLITSERVE_NATS_URL"),
+    worker_id: str = typer.Option("router-0"),
+    model: str | None = typer.Option(None, help="model path (default: the bundled SmolLM2)"),
+    strategy: str = typer.Option("roundrobin"),
+    disagg_threshold: int = typer.Option(512, help="uncached prompt tokens at or above which to use a prefiller"),
+    no_worker_wait_s: float = typer.Option(5.0),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    from services.router.service import RouterService
+
+    run_service(RouterService(worker_id, nats_url, model=model, strategy=strategy,
+                              disagg_threshold=disagg_threshold, no_worker_wait_s=no_worker_wait_s,
+                              log_level=log_level))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,120 @@
+"""The ``splitserve`` command: ``up`` runs the embedded stack; ``generate`` and the other client commands
+reach it (or any stack) over NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from splitserve import discovery, errors
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="splitserve: disaggregated prefill/decode "
+                  "LLM serving over NATS")
+bench_app = typer.Typer(no_args_is_help=True, help="benchmarks")
+app.add_typer(bench_app, name="bench")
+
+
+
+@app.callback()
+def _main() -> None:
+    from splitserve.obs.log import configure_client_logging
+
+    configure_client_logging()
+
+
+NatsUrlOpt = typer.Option(None, "--nats-url", help="NATS server (default: the stack started on this machine)")
+
+
+@app.command()
+def up(
+    prefill: int = typer.Option(1, "--prefill", min=0, help="prefill workers"),
+    decode: int = typer.Option(1, "--decode", min=1, help="decode workers"),
+    engine: str = typer.Option("hf", "--engine"),
+    model: str | None = typer.Option(None, "--model", help="model path (default: bundled SmolLM2-135M-Instruct)"),
+    dtype: str = typer.Option("float32", "--dtype"),
+    disagg_threshold: int = typer.Option(512, "--disagg-threshold",
+                                         help="uncached prompt tokens at or above which a prefiller is used"),
+    strategy: str = typer.Option("roundrobin", "--strategy"),
+    transport: str = typer.Option("nixl", "--transport", help="KV transport: nixl | tcp"),
+    nats_url: str | None = typer.Option(None, "--nats-url", help="use this NATS server instead of starting one"),
+    nats_port: int = typer.Option(4222, "--nats-port", help="port for the embedded nats-server (free one if taken)"),
+    state_dir: Path | None = typer.Option(None, "--state-dir", help="logs and NATS data (default ~/.splitserve/stack)"),
+    threads: int | None = typer.Option(None, "--threads", help="torch threads per worker"),
+    log_level: str = typer.Option("INFO", "--log-level"),
+) -> None:
+    """Start NATS and every service; Ctrl-C stops them all."""
+    from splitserve.stack import Stack, StackConfig, run_stack
+
+    cfg = StackConfig(prefill=prefill, decode=decode, engine=engine, model=model, dtype=dtype,
+                      disagg_threshold=disagg_threshold, strategy=strategy, transport=transport, nats_url=nats_url,
+                      nats_port=nats_port, state_dir=state_dir or discovery.home() / "stack", threads=threads,
+                      log_level=log_level)
+    typer.echo(f"splitserve: starting {prefill} prefill + {decode} decode worker(s), engine {engine}, "
+               f"transport {transport}, strategy {strategy} (logs in {cfg.state_dir / 'logs'})")
+
+    def ready(stack: Stack) -> None:
+        typer.echo(f"\nsplitserve is up. NATS: {stack.nats_url}\n"
+                   f"  try:  splitserve generate --chat \"What is the capital of France?\"\n"
+                   f"  stop: Ctrl-C")
+
+    rc = run_stack(cfg, echo=typer.echo, on_ready=ready)
+    typer.echo("splitserve: stopped")
+    raise typer.Exit(rc)
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="the prompt ('-' reads it from stdin)"),
+    nats_url: str | None = NatsUrlOpt,
+    tenant: str = typer.Option("default", "--tenant"),
+    max_tokens: int = typer.Option(128, "--max-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: int | None = typer.Option(None, "--seed"),
+    stop: list[str] = typer.Option([], "--stop", help="stop string (repeatable)"),
+    chat: bool = typer.Option(False, "--chat", help="apply the model's chat template"),
+    session_id: str | None = typer.Option(None, "--session-id", help="session key for sticky routing"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object per delta, then the final result"),
+    route: str = typer.Option("auto", "--route", help="auto | direct | disaggregated (force a path)"),
+) -> None:
+    """Generate a completion, streaming it to the terminal."""
+    from splitserve.client import Client
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+
+    async def go() -> int:
+        async with Client(nats_url, tenant=tenant) as c:
+            gen = c.generate(prompt, chat=chat, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                             seed=seed, stop=stop, session_id=session_id,
+                             route=route)  # type: ignore[arg-type]  # validated by the request model
+            async for d in gen:
+                if as_json:
+                    print(json.dumps({"type": "delta", "request_id": d.request_id, "seq": d.seq, "text": d.text,
+                                      "token_ids": d.token_ids}), flush=True)
+                else:
+                    print(d.text, end="", flush=True)
+            assert gen.result is not None
+            if as_json:
+                print(json.dumps({"type": "final", **gen.result.to_dict()}), flush=True)
+            else:
+                print(flush=True)
+            return 0
+
+    try:
+        rc = asyncio.run(go())
+    except errors.SplitserveError as exc:
+        if as_json:
+            print(json.dumps({"type": "error", "code": exc.code.value, "message": exc.message,
+                              "request_id": exc.request_id}), flush=True)
+        typer.echo(f"error {exc}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(rc)
+
+
+if __name__ == "__main__":
+    app()

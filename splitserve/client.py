@@ -1,0 +1,263 @@
+"""The Python client for internal services.
+
+    async with Client(tenant="search") as c:
+        async for delta in c.generate("Hello", max_tokens=32):
+            print(delta.text, end="")
+        result = await c.complete("What is the capital of France?", chat=True)
+        print(result.text, result.usage.cached_tokens, result.ttft_ms)
+
+``generate`` returns a :class:`Generation`: iterate it for ordered deltas; after iteration ``.result``
+holds the final :class:`Result`. Terminal errors raise a typed :class:`splitserve.errors.SplitserveError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+import proto
+from proto import (
+    Accepted,
+    ChatMessage,
+    GenerateRequest,
+    SamplingParams,
+    StreamDelta,
+    StreamError,
+    StreamFinal,
+)
+from splitserve import errors
+from splitserve.discovery import resolve_nats_url
+from splitserve.obs import tracing
+from splitserve.runtime.bus import Bus
+from splitserve.runtime.bus import PayloadTooLarge as _BusPayloadTooLarge
+
+
+@dataclass(frozen=True)
+class Delta:
+    request_id: str
+    seq: int
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Result:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: proto.Usage
+    route: str
+    prefill_worker: str | None
+    decode_worker: str
+    ttft_ms: float | None  # client-measured: request sent -> first delta received
+    total_ms: float
+    timings: proto.Timings
+    decision: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id, "route": self.route, "prefill_worker": self.prefill_worker,
+            "decode_worker": self.decode_worker, "token_ids": self.token_ids, "text": self.text,
+            "finish_reason": self.finish_reason, "usage": self.usage.model_dump(), "ttft_ms": self.ttft_ms,
+            "total_ms": self.total_ms, "timings": self.timings.model_dump(), "decision": self.decision,
+        }
+
+
+class Generation:
+    """One streaming request. Async-iterate for deltas; ``result`` is set when the stream ends."""
+
+    def __init__(self, client: Client, req: GenerateRequest) -> None:
+        self._client = client
+        self.request = req
+        self.request_id = req.request_id
+        self.result: Result | None = None
+        self.accepted: Accepted | None = None
+        self._started = False
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        if self._started:
+            raise RuntimeError("a Generation can be iterated only once")
+        self._started = True
+        return self._run()
+
+    async def _run(self) -> AsyncIterator[Delta]:
+        c = self._client
+        bus = c._require()
+        req = self.request
+        sub = await bus.nc.subscribe(req.stream_subject)
+        t0 = time.perf_counter()
+        ttft: float | None = None
+        try:
+            with tracing.tracer().start_as_current_span("client.generate", attributes={
+                "request_id": req.request_id, "tenant": req.tenant}):
+                try:
+                    reply = await bus.request(proto.Subjects.request(req.tenant), req, Accepted,
+                                              timeout=c.accept_timeout)
+                except _BusPayloadTooLarge as exc:
+                    raise errors.PayloadTooLarge(str(exc), request_id=req.request_id) from None
+                except NoRespondersError:
+                    raise errors.Unavailable(f"no router is serving requests at {c.nats_url}",
+                                             request_id=req.request_id) from None
+                except (NatsTimeout, TimeoutError):
+                    raise errors.Timeout(f"no router answered within {c.accept_timeout:.0f}s",
+                                         request_id=req.request_id) from None
+            if isinstance(reply, StreamError):
+                raise errors.from_wire(reply)
+            self.accepted = reply
+            expected = 0
+            early: dict[int, Any] = {}
+            while True:
+                try:
+                    raw = await sub.next_msg(timeout=c.idle_timeout)
+                except (NatsTimeout, TimeoutError):
+                    raise errors.Timeout(
+                        f"no token for request {req.request_id} within {c.idle_timeout:.0f}s",
+                        request_id=req.request_id) from None
+                try:
+                    msg = proto.decode_stream(raw.data)
+                except proto.ProtocolError as exc:
+                    raise errors.SplitserveError(f"undecodable stream message: {exc.message}",
+                                                 request_id=req.request_id) from None
+                if isinstance(msg, StreamError):
+                    raise errors.from_wire(msg)
+                # Deltas and the final carry consecutive seq numbers; reorder defensively.
+                early[msg.seq] = msg
+                while expected in early:
+                    item = early.pop(expected)
+                    expected += 1
+                    if isinstance(item, StreamDelta):
+                        if ttft is None:
+                            ttft = (time.perf_counter() - t0) * 1000
+                        yield Delta(request_id=item.request_id, seq=item.seq, text=item.text,
+                                    token_ids=list(item.token_ids))
+                    elif isinstance(item, StreamFinal):
+                        self.result = Result(
+                            request_id=item.request_id, text=item.text, token_ids=list(item.token_ids),
+                            finish_reason=item.finish_reason, usage=item.usage, route=item.route.value,
+                            prefill_worker=item.prefill_worker, decode_worker=item.decode_worker,
+                            ttft_ms=ttft, total_ms=(time.perf_counter() - t0) * 1000, timings=item.timings,
+                            decision=item.decision,
+                        )
+                        return
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def collect(self) -> Result:
+        async for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+
+class Client:
+    """Async client. One NATS connection; many concurrent requests."""
+
+    def __init__(
+        self,
+        nats_url: str | None = None,
+        *,
+        tenant: str = "default",
+        user: str | None = None,
+        password: str | None = None,
+        accept_timeout: float = 30.0,
+        idle_timeout: float = 120.0,
+    ) -> None:
+        proto.subjects.check_token(tenant, "tenant")
+        self.nats_url = resolve_nats_url(nats_url)
+        self.tenant = tenant
+        self.user = user
+        self.password = password
+        self.accept_timeout = accept_timeout
+        self.idle_timeout = idle_timeout
+        self._bus: Bus | None = None
+
+    async def connect(self) -> Client:
+        try:
+            self._bus = await Bus.connect(self.nats_url, f"client:{self.tenant}", user=self.user,
+                                          password=self.password, reconnect=True)
+        except Exception as exc:
+            raise errors.Unavailable(f"cannot connect to NATS at {self.nats_url}: {exc}") from None
+        return self
+
+    async def close(self) -> None:
+        if self._bus is not None:
+            await self._bus.close()
+            self._bus = None
+
+    async def __aenter__(self) -> Client:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _require(self) -> Bus:
+        if self._bus is None:
+            raise RuntimeError("Client is not connected: use 'async with Client(...)' or await connect()")
+        return self._bus
+
+    def generate(
+        self,
+        prompt: str | Sequence[dict[str, str]] | Sequence[int],
+        *,
+        chat: bool = False,
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        session_id: str | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
+        route: Literal["auto", "direct", "disaggregated"] = "auto",
+    ) -> Generation:
+        """Start a streaming request. ``prompt`` is text (``chat=True`` wraps it as one user message),
+        a list of chat messages (``{"role", "content"}``), or a list of token ids."""
+        rid = request_id or uuid.uuid4().hex
+        fields: dict[str, Any] = {}
+        if isinstance(prompt, str):
+            if chat:
+                fields["messages"] = [ChatMessage(role="user", content=prompt)]
+            else:
+                fields["prompt"] = prompt
+        elif prompt and all(isinstance(x, int) for x in prompt):
+            fields["prompt_token_ids"] = list(prompt)  # type: ignore[arg-type]
+        else:
+            fields["messages"] = [ChatMessage.model_validate(m) for m in prompt]
+        try:
+            req = GenerateRequest(
+                request_id=rid, tenant=self.tenant,
+                sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                        stop=list(stop)),
+                session_id=session_id, stream_subject=proto.Subjects.stream(self.tenant, rid),
+                deadline_ms=None if timeout is None else proto.now_ms() + timeout * 1000, priority=priority,
+                route=route, **fields,
+            )
+        except ValueError as exc:
+            raise errors.BadRequest(str(exc), request_id=rid) from None
+        return Generation(self, req)
+
+    async def complete(self, prompt: str | Sequence[dict[str, str]] | Sequence[int], **kw: Any) -> Result:
+        """Non-streaming: wait for the whole result."""
+        return await self.generate(prompt, **kw).collect()
+
+
+def complete_sync(prompt: str | Sequence[dict[str, str]] | Sequence[int], *, nats_url: str | None = None,
+                  tenant: str = "default", **kw: Any) -> Result:
+    """Blocking one-shot helper for scripts."""
+
+    async def go() -> Result:
+        async with Client(nats_url, tenant=tenant) as c:
+            return await c.complete(prompt, **kw)
+
+    return asyncio.run(go())

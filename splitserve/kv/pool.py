@@ -1,0 +1,134 @@
+"""A paged KV block pool: one contiguous CPU tensor plus a bounded allocator of block ids.
+
+Memory is ``[num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]`` (vLLM-like: per layer, per
+block), so one block of one layer is a contiguous run of ``layout.bytes_per_block_per_layer`` bytes at
+:meth:`BlockPool.offset`. Transports move those runs; ``scatter``/``gather`` convert between a request's
+``[L, 2, H, T, D]`` tensor and its blocks. The pool is allocated once and never reallocated, so its address
+can be registered with a transport for the pool's whole life.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import torch
+
+from splitserve.kv.layout import KvLayout
+
+
+class BlockPoolExhausted(RuntimeError):
+    """Not enough free blocks for an allocation."""
+
+
+class BlockPool:
+    def __init__(self, layout: KvLayout, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.tensor = torch.zeros(layout.pool_shape(num_blocks), dtype=layout.dtype)
+        self._free: list[int] = list(range(num_blocks))  # a heap: lowest ids first keeps runs contiguous
+        self._allocated: set[int] = set()
+
+    # ------------------------------------------------------------------------------------------ allocator
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free block ids (lowest first). Raises :class:`BlockPoolExhausted` if there are fewer."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        if n > len(self._free):
+            raise BlockPoolExhausted(
+                f"need {n} blocks, only {len(self._free)} of {self.num_blocks} free"
+            )
+        ids = [heapq.heappop(self._free) for _ in range(n)]
+        self._allocated.update(ids)
+        return ids
+
+    def try_allocate(self, n: int) -> list[int] | None:
+        """Like :meth:`allocate` but returns None when the pool cannot satisfy the request."""
+        try:
+            return self.allocate(n)
+        except BlockPoolExhausted:
+            return None
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        unknown = [b for b in block_ids if b not in self._allocated]
+        if unknown or len(set(block_ids)) != len(block_ids):
+            raise ValueError(f"freeing blocks not allocated (or listed twice): {unknown or list(block_ids)}")
+        for b in block_ids:
+            self._allocated.remove(b)
+            heapq.heappush(self._free, b)
+
+    # ------------------------------------------------------------------------------------------- memory
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    @property
+    def data_ptr(self) -> int:
+        return self.tensor.data_ptr()
+
+    def offset(self, layer: int, block_id: int) -> int:
+        """Byte offset of (layer, block) from the start of the pool."""
+        return (layer * self.num_blocks + block_id) * self.layout.bytes_per_block_per_layer
+
+    def byte_view(self) -> memoryview:
+        """A writable, flat uint8 view of the whole pool (shares memory; no copy)."""
+        view: memoryview = self.tensor.view(torch.uint8).reshape(-1).numpy().data
+        return view
+
+    def check_block_ids(self, block_ids: Sequence[int]) -> None:
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"block ids out of range [0, {self.num_blocks}): {bad[:8]}")
+
+    def scatter(self, kv: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Write one request's ``[L, 2, H, T, D]`` KV into its blocks (the last block may be partial)."""
+        lay = self.layout
+        want = (lay.num_layers, 2, lay.num_kv_heads)
+        if kv.dim() != 5 or tuple(kv.shape[:3]) != want or kv.shape[4] != lay.head_dim:
+            raise ValueError(
+                f"kv shape {tuple(kv.shape)} does not match layout "
+                f"[{lay.num_layers}, 2, {lay.num_kv_heads}, T, {lay.head_dim}]"
+            )
+        if kv.dtype != lay.dtype:
+            raise ValueError(f"kv dtype {kv.dtype} does not match layout dtype {lay.dtype}")
+        num_tokens = kv.shape[3]
+        if len(block_ids) != lay.blocks_for_tokens(num_tokens):
+            raise ValueError(
+                f"{num_tokens} tokens need {lay.blocks_for_tokens(num_tokens)} blocks, got {len(block_ids)}"
+            )
+        self.check_block_ids(block_ids)
+        bs = lay.block_size
+        full = num_tokens // bs
+        if full:
+            src = kv[:, :, :, : full * bs, :].reshape(
+                lay.num_layers, 2, lay.num_kv_heads, full, bs, lay.head_dim
+            )
+            # [L, 2, H, n, bs, D] -> [L, n, 2, H, bs, D], the pool's per-block order
+            idx = torch.tensor(block_ids[:full], dtype=torch.long)
+            self.tensor.index_copy_(1, idx, src.permute(0, 3, 1, 2, 4, 5))
+        rest = num_tokens - full * bs
+        if rest:
+            self.tensor[:, block_ids[full], :, :, :rest, :] = kv[:, :, :, full * bs :, :]
+
+    def gather(self, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
+        """Read ``num_tokens`` of KV out of ``block_ids`` as a fresh ``[L, 2, H, T, D]`` tensor."""
+        lay = self.layout
+        if lay.blocks_for_tokens(num_tokens) != len(block_ids):
+            raise ValueError(
+                f"{num_tokens} tokens need {lay.blocks_for_tokens(num_tokens)} blocks, got {len(block_ids)}"
+            )
+        self.check_block_ids(block_ids)
+        n = len(block_ids)
+        blocks = self.tensor.index_select(1, torch.tensor(list(block_ids), dtype=torch.long))
+        kv = blocks.permute(0, 2, 3, 1, 4, 5).reshape(
+            lay.num_layers, 2, lay.num_kv_heads, n * lay.block_size, lay.head_dim
+        )
+        return kv[:, :, :, :num_tokens, :].contiguous()

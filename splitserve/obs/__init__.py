@@ -1,0 +1,1 @@
+"""Observability: structured JSON logs and trace-context propagation shared by every service."""

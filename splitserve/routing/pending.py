@@ -1,0 +1,113 @@
+"""Load this router has dispatched that the workers' heartbeats do not show yet.
+
+Worker views come from heartbeats (every ~500 ms). Between two heartbeats every decision would see the
+same loads, so a burst of similar requests would all pick the same "cheapest" worker (herding). The
+router therefore remembers what it just sent - one sequence, its prefill tokens and its KV blocks per
+worker - and overlays that on the views it decides with, until the worker's own report can be trusted to
+include it: ``release(request_id)`` when a heartbeat lists the request (or it finished), or ``ttl_s``
+after dispatch at the latest. Dynamo's router keeps a similar predicted-load book for the same reason.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from splitserve.routing.base import WorkerView
+
+__all__ = ["PendingLoad"]
+
+
+@dataclass(slots=True)
+class _Entry:
+    at: float
+    request_id: str
+    worker_id: str
+    tokens: int
+    blocks: int
+    live: bool = True
+
+
+class PendingLoad:
+    def __init__(self, ttl_s: float = 1.0) -> None:
+        if ttl_s <= 0:
+            raise ValueError("ttl_s must be positive")
+        self.ttl_s = ttl_s
+        self._queue: deque[_Entry] = deque()
+        self._by_request: dict[str, list[_Entry]] = {}
+        self._per_worker: dict[str, list[int]] = {}  # worker -> [sequences, prefill tokens, blocks]
+
+    def __len__(self) -> int:
+        return len(self._by_request)
+
+    def add(self, worker_id: str, request_id: str, prefill_tokens: int, blocks: int, now: float) -> None:
+        e = _Entry(now, request_id, worker_id, prefill_tokens, blocks)
+        self._queue.append(e)
+        self._by_request.setdefault(request_id, []).append(e)
+        acc = self._per_worker.get(worker_id)
+        if acc is None:
+            self._per_worker[worker_id] = [1, prefill_tokens, blocks]
+        else:
+            acc[0] += 1
+            acc[1] += prefill_tokens
+            acc[2] += blocks
+
+    def _drop(self, e: _Entry) -> None:
+        if not e.live:
+            return
+        e.live = False
+        acc = self._per_worker[e.worker_id]
+        acc[0] -= 1
+        acc[1] -= e.tokens
+        acc[2] -= e.blocks
+        if acc[0] <= 0:
+            del self._per_worker[e.worker_id]
+
+    def release(self, request_id: str) -> None:
+        """The worker's own reports now include this request (or it is over)."""
+        for e in self._by_request.pop(request_id, ()):
+            self._drop(e)
+
+    def forget_worker(self, worker_id: str) -> None:
+        for e in self._queue:
+            if e.worker_id == worker_id:
+                self._drop(e)
+
+    def expire(self, now: float) -> None:
+        q = self._queue
+        horizon = now - self.ttl_s
+        while q and q[0].at <= horizon:
+            e = q.popleft()
+            if e.live:
+                self._drop(e)
+                entries = self._by_request.get(e.request_id)
+                if entries is not None and not any(x.live for x in entries):
+                    del self._by_request[e.request_id]
+
+    def pending_for(self, worker_id: str) -> tuple[int, int, int]:
+        acc = self._per_worker.get(worker_id)
+        return (acc[0], acc[1], acc[2]) if acc else (0, 0, 0)
+
+    def overlay(self, views: Sequence[WorkerView], now: float) -> Sequence[WorkerView]:
+        """``views`` with pending load added (copies only for workers that have some)."""
+        self.expire(now)
+        per = self._per_worker
+        if not per:
+            return views
+        return [v if (acc := per.get(v.worker_id)) is None else _plus(v, acc) for v in views]
+
+
+def _plus(v: WorkerView, acc: list[int]) -> WorkerView:
+    return WorkerView(
+        v.worker_id,
+        v.role,
+        v.live,
+        v.active_seqs + acc[0],
+        v.queued_requests,
+        v.queued_prefill_tokens + acc[1],
+        max(0, v.free_blocks - acc[2]),
+        v.total_blocks,
+        v.used_blocks + acc[2],
+        v.prefill_tokens_per_s,
+    )

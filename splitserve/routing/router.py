@@ -1,0 +1,206 @@
+"""The Router policy: one request + the live workers -> a :class:`Decision` (decoder, route, prefiller).
+
+This module owns the order of a decision, which every caller (the live router service, the benchmarks, the
+simulator) shares:
+
+1. split the live workers into the decode and prefill pools (separate pools, never mixed);
+2. choose the decoder with the strategy (its cache affinity + the shared load-aware cost);
+3. decide the route with :class:`DisaggPolicy` on the *uncached* tokens of that decoder;
+4. if disaggregated, choose the prefiller from the prefill pool with the same strategy and cost (prefillers
+   keep prefix caches too);
+5. record the decision (``on_routed``): prefixaware learns what it routed where, and the pending-load book
+   adds the request to the chosen workers' load until their heartbeats show it (see :mod:`.pending`).
+
+It raises :class:`NoWorkers` ("decode") when no decoder is live; a missing prefill pool degrades to the
+direct path (or raises ``NoWorkers("prefill")`` with ``require_prefiller=True``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from splitserve.cache.events import KvEventBatch
+from splitserve.cache.hashing import DEFAULT_BLOCK_SIZE
+from splitserve.cache.index import PrefixIndex
+from splitserve.routing.base import (
+    DECODE,
+    DISAGGREGATED,
+    PREFILL,
+    Decision,
+    NoWorkers,
+    RoutingRequest,
+    Selection,
+    Strategy,
+    WorkerView,
+)
+from splitserve.routing.disagg import DisaggPolicy, RouteChoice
+from splitserve.routing.kvaware import KvAwareStrategy
+from splitserve.routing.pending import PendingLoad
+from splitserve.routing.registry import make_strategy
+
+__all__ = ["Router"]
+
+
+class Router:
+    """Routing policy object. Not thread-safe; one per router process (or per simulated router).
+
+    ``strategy``: a registered name or a :class:`Strategy`. ``strategy_cfg`` goes to
+    :func:`make_strategy` (cost settings such as ``temperature`` or ``balance_abs_threshold``, strategy
+    settings such as ``vnodes``). ``index``: the KV residency replica; ``kvaware`` routes on it, and with
+    any other strategy it still tells the disaggregation rule how much of the prompt the chosen decoder
+    already holds. A ``kvaware`` router without an ``index`` creates one (``router.index``): feed it with
+    :meth:`apply_events`. ``disagg_threshold`` is shorthand for ``DisaggPolicy(min_uncached_tokens=...)``.
+    ``pending_ttl_s``: how long a dispatched request counts on top of its workers' reported load (None:
+    trust the views as given); call :meth:`release` once a heartbeat lists the request.
+    """
+
+    def __init__(
+        self,
+        strategy: str | Strategy = "kvaware",
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        disagg: DisaggPolicy | None = None,
+        disagg_threshold: int | None = None,
+        index: PrefixIndex | None = None,
+        prefill_strategy: str | Strategy | None = None,
+        observe: bool = True,
+        require_prefiller: bool = False,
+        pending_ttl_s: float | None = 1.0,
+        **strategy_cfg: Any,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if disagg is not None and disagg_threshold is not None:
+            raise ValueError("give disagg or disagg_threshold, not both")
+        self.block_size = block_size
+        self.disagg = disagg or DisaggPolicy(
+            min_uncached_tokens=512 if disagg_threshold is None else disagg_threshold
+        )
+        if isinstance(strategy, str):
+            if strategy == "kvaware":
+                index = index if index is not None else PrefixIndex()
+                strategy_cfg.setdefault("index", index)
+            strategy = make_strategy(strategy, **strategy_cfg)
+        elif strategy_cfg:
+            raise ValueError("strategy settings only apply when the strategy is given by name")
+        if isinstance(strategy, KvAwareStrategy) and index is None:
+            index = strategy.index
+        self.strategy: Strategy = strategy
+        if prefill_strategy is None:
+            self.prefill_strategy = strategy
+        elif isinstance(prefill_strategy, str):
+            kw: dict[str, Any] = (
+                {"index": index} if prefill_strategy == "kvaware" and index is not None else {}
+            )
+            self.prefill_strategy = make_strategy(prefill_strategy, **kw)
+        else:
+            self.prefill_strategy = prefill_strategy
+        self.index = index
+        self.observe = observe
+        self.require_prefiller = require_prefiller
+        self.pending = PendingLoad(pending_ttl_s) if pending_ttl_s else None
+
+    @property
+    def strategy_name(self) -> str:
+        return self.strategy.name
+
+    # ------------------------------------------------------------------------------------------ decide
+    def decide(self, request: RoutingRequest, workers: Sequence[WorkerView], now: float) -> Decision:
+        if self.pending is not None:
+            workers = self.pending.overlay(workers, now)
+        decoders = [w for w in workers if w.role == DECODE and w.live]
+        prefillers = [w for w in workers if w.role == PREFILL and w.live]
+        if not decoders:
+            raise NoWorkers(DECODE, f"{len(prefillers)} prefill workers live")
+        bs = self.block_size
+        prompt = request.num_prompt_tokens()
+
+        dsel = self.strategy.select(request, decoders, DECODE, now, bs)
+        chosen = dsel.chosen
+        if not self.strategy.uses_cache and self.index is not None and prompt:
+            # The strategy ignored the cache, but the route should still know what the decoder holds.
+            held = self.index.lookup(request.hashes(bs)).get(chosen.worker_id, 0)
+            chosen.cached_blocks = held
+            chosen.cached_tokens = min(held * bs, prompt)
+            chosen.uncached_tokens = prompt - chosen.cached_tokens
+        uncached = prompt - chosen.cached_tokens
+        dview = decoders[dsel.view_index] if dsel.view_index is not None else None
+        if dview is None or dview.worker_id != chosen.worker_id:
+            dview = next(w for w in decoders if w.worker_id == chosen.worker_id)
+        rc = self.disagg.decide(prompt, uncached, dview, bool(prefillers))
+        if request.force_route is not None and request.force_route != rc.route:
+            if request.force_route == DISAGGREGATED and not prefillers:
+                raise NoWorkers(PREFILL, "the request asked for the disaggregated route")
+            rc = RouteChoice(request.force_route, "forced", {**rc.values, "rule_said": rc.route})
+        if rc.reason == "no_prefillers" and self.require_prefiller:
+            raise NoWorkers(PREFILL, f"the request needs a prefiller ({rc.values.get('wanted')})")
+
+        psel: Selection | None = None
+        if rc.route == DISAGGREGATED:
+            psel = self.prefill_strategy.select(request, prefillers, PREFILL, now, bs)
+
+        decision = Decision(
+            request_id=request.request_id,
+            strategy=self.strategy.name,
+            route=rc.route,
+            decoder=chosen.worker_id,
+            prefiller=psel.worker_id if psel else None,
+            reason=rc.reason,
+            decoder_reason=dsel.reason,
+            prefiller_reason=psel.reason if psel else None,
+            prompt_tokens=prompt,
+            cached_tokens=chosen.cached_tokens,
+            uncached_tokens=uncached,
+            candidates=dsel.candidates,
+            prefill_candidates=psel.candidates if psel else [],
+            thresholds=rc.values,
+            now=now,
+            detail={**dsel.detail, **({"prefill": psel.detail} if psel and psel.detail else {})},
+        )
+        if self.observe:
+            self.on_routed(request, decision, now)
+        return decision
+
+    def on_routed(self, request: RoutingRequest, decision: Decision, now: float) -> None:
+        """Record a dispatched decision: strategy observations and the router's pending-load book."""
+        self.strategy.on_routed(request, decision, now, self.block_size)
+        if self.prefill_strategy is not self.strategy:
+            self.prefill_strategy.on_routed(request, decision, now, self.block_size)
+        if self.pending is not None:
+            rid = decision.request_id
+            blocks = -(-decision.prompt_tokens // self.block_size)
+            local = 0 if decision.prefiller is not None else decision.uncached_tokens
+            self.pending.add(decision.decoder, rid, local, blocks, now)
+            if decision.prefiller is not None:
+                self.pending.add(decision.prefiller, rid, decision.uncached_tokens, 0, now)
+
+    def release(self, request_id: str) -> None:
+        """The workers' heartbeats now include this request (or it finished): stop adding it on top."""
+        if self.pending is not None:
+            self.pending.release(request_id)
+
+    # ------------------------------------------------------------------------------------------ upkeep
+    def apply_events(self, batch: KvEventBatch) -> bool:
+        """Feed the router's residency replica. Returns True on a sequence gap (resync that worker)."""
+        if self.index is None:
+            self.index = PrefixIndex()
+        return self.index.apply(batch)
+
+    def remove_worker(self, worker_id: str, *, forget_cache: bool = True) -> None:
+        if self.pending is not None:
+            self.pending.forget_worker(worker_id)
+        self.strategy.remove_worker(worker_id)
+        if self.prefill_strategy is not self.strategy:
+            self.prefill_strategy.remove_worker(worker_id)
+        if forget_cache and self.index is not None:
+            self.index.remove_worker(worker_id)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy.name,
+            "strategy_config": self.strategy.config(),
+            "prefill_strategy": self.prefill_strategy.name,
+            "block_size": self.block_size,
+            "disagg": self.disagg.describe(),
+        }

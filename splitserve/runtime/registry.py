@@ -1,0 +1,73 @@
+"""Which workers are alive, from their heartbeats. Pure bookkeeping: the caller feeds heartbeats and asks
+with an explicit ``now`` (seconds), so the same object works in the live router and in tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from proto import Heartbeat
+
+
+@dataclass
+class WorkerState:
+    hb: Heartbeat
+    last_seen: float
+    first_seen: float
+    dead_reason: str | None = None
+
+
+@dataclass
+class WorkerRegistry:
+    """Liveness rule: a worker is live while its state is ``ready`` and its last heartbeat is younger than
+    ``miss_factor`` heartbeat intervals (at least ``min_timeout_s``)."""
+
+    miss_factor: float = 4.0
+    min_timeout_s: float = 1.5
+    workers: dict[str, WorkerState] = field(default_factory=dict)
+
+    def observe(self, hb: Heartbeat, now: float) -> None:
+        st = self.workers.get(hb.worker_id)
+        if st is None or st.hb.pid != hb.pid:
+            # New worker, or the same id restarted as a new process.
+            self.workers[hb.worker_id] = WorkerState(hb=hb, last_seen=now, first_seen=now)
+            return
+        if hb.seq >= st.hb.seq:
+            st.hb = hb
+            st.last_seen = now
+            st.dead_reason = None
+
+    def timeout_for(self, st: WorkerState) -> float:
+        return max(self.min_timeout_s, self.miss_factor * st.hb.interval_ms / 1000.0)
+
+    def is_live(self, worker_id: str, now: float) -> bool:
+        st = self.workers.get(worker_id)
+        return st is not None and self._live(st, now)
+
+    def _live(self, st: WorkerState, now: float) -> bool:
+        return st.hb.state == "ready" and now - st.last_seen <= self.timeout_for(st)
+
+    def live(self, role: str, now: float) -> list[Heartbeat]:
+        return [st.hb for st in self.workers.values() if st.hb.role == role and self._live(st, now)]
+
+    def reap(self, now: float) -> list[tuple[str, str]]:
+        """Workers that just died (missed heartbeats or announced stop) with a reason; each reported once."""
+        dead: list[tuple[str, str]] = []
+        for wid, st in self.workers.items():
+            if st.dead_reason is not None:
+                continue
+            # A draining worker still finishes what it holds; only a stopped or silent one has died.
+            if st.hb.state == "stopped":
+                st.dead_reason = f"{st.hb.role} worker {wid} is {st.hb.state}"
+            elif now - st.last_seen > self.timeout_for(st):
+                st.dead_reason = (
+                    f"{st.hb.role} worker {wid} stopped heartbeating "
+                    f"(last seen {now - st.last_seen:.1f}s ago)"
+                )
+            else:
+                continue
+            dead.append((wid, st.dead_reason))
+        return dead
+
+    def get(self, worker_id: str) -> Heartbeat | None:
+        st = self.workers.get(worker_id)
+        return st.hb if st else None

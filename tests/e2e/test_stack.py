@@ -1,0 +1,188 @@
+"""End to end through the real CLI: ``splitserve up`` (NATS + router + cache index + prefill + decode, each
+its own process, real model, real KV bytes between processes) and ``splitserve generate`` / the client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+
+import proto
+from splitserve import errors
+from splitserve.client import Client
+from splitserve.stackproc import StackProc, start_stack
+
+pytestmark = pytest.mark.slow
+
+SPLITSERVE = str(Path(sys.executable).parent / "splitserve")
+# Long enough to cross the threshold below (disaggregated), the same words short go direct.
+LONG = ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall of "
+        "Constantinople. ") * 6 + "Summarise this in one sentence:"
+THRESHOLD = "64"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackProc]:
+    sp = start_stack(Path(tmp_path_factory.mktemp("stack")), "--disagg-threshold", THRESHOLD)
+    try:
+        yield sp
+    finally:
+        rc = sp.stop()
+        assert rc == 0, sp.output
+
+
+def _generate(
+    stack: StackProc, *args: str, timeout: float = 300
+) -> tuple[list[dict], subprocess.CompletedProcess[str]]:
+    cp = subprocess.run([SPLITSERVE, "generate", "--nats-url", stack.nats_url, "--json", *args],
+                        capture_output=True, text=True, timeout=timeout)
+    return [json.loads(line) for line in cp.stdout.splitlines() if line.startswith("{")], cp
+
+
+def _reference_greedy(prompt_ids: list[int], n: int) -> list[int]:
+    """Plain transformers greedy generation of the same model: the ground truth for both paths."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from splitserve.engines.model_files import resolve_model
+
+    src = resolve_model(None)
+    model = AutoModelForCausalLM.from_pretrained(str(src.directory), gguf_file=src.gguf_file, dtype=torch.float32)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_chat_answers_paris(stack: StackProc) -> None:
+    objs, cp = _generate(stack, "--chat", "What is the capital of France?", "--max-tokens", "24")
+    assert cp.returncode == 0, cp.stderr
+    final = objs[-1]
+    assert final["type"] == "final"
+    assert "Paris" in final["text"]
+    for key in ("request_id", "route", "prefill_worker", "decode_worker", "token_ids", "text", "finish_reason",
+                "usage", "ttft_ms"):
+        assert key in final
+    assert final["usage"]["prompt_tokens"] > 0 and final["usage"]["completion_tokens"] == len(final["token_ids"])
+    deltas = [o for o in objs if o["type"] == "delta"]
+    assert "".join(d["text"] for d in deltas) == final["text"]
+    assert [d["seq"] for d in deltas] == list(range(len(deltas)))
+
+
+def test_disaggregated_equals_direct_equals_transformers(stack: StackProc) -> None:
+    n = "16"
+    d_objs, cp = _generate(stack, LONG, "--max-tokens", n)
+    assert cp.returncode == 0, cp.stderr
+    disagg = d_objs[-1]
+    assert disagg["route"] == "disaggregated"
+    assert disagg["prefill_worker"] == "prefill-0"
+    assert disagg["decode_worker"] == "decode-0"
+    # The same prompt forced down the direct path (decoder prefills locally).
+    async def direct() -> dict:
+        async with Client(stack.nats_url) as c:
+            r = await c.complete(LONG, max_tokens=int(n), route="direct")
+            return r.to_dict()
+    direct_res = asyncio.run(direct())
+    assert direct_res["route"] == "direct" and direct_res["prefill_worker"] is None
+    assert disagg["token_ids"] == direct_res["token_ids"]
+    from services.router.tokenize import PromptTokenizer
+
+    ids = PromptTokenizer(None).token_ids(proto.GenerateRequest(request_id="x", tenant="t", stream_subject="s",
+                                                                prompt=LONG))
+    assert disagg["usage"]["prompt_tokens"] == len(ids)
+    assert disagg["token_ids"] == _reference_greedy(ids, int(n))[: len(disagg["token_ids"])]
+
+
+def test_seeded_sampling_is_reproducible_across_paths(stack: StackProc) -> None:
+    async def run(route: str) -> list[int]:
+        async with Client(stack.nats_url) as c:
+            r = await c.complete(LONG, max_tokens=12, temperature=0.9, top_p=0.9, seed=1234, route=route)
+            return r.token_ids
+    a = asyncio.run(run("disaggregated"))
+    b = asyncio.run(run("direct"))
+    assert a == b
+
+
+def test_stop_string_and_length(stack: StackProc) -> None:
+    objs, cp = _generate(stack, "--chat", "Count from 1 to 20 separated by commas.", "--max-tokens", "40",
+                         "--stop", "5")
+    assert cp.returncode == 0, cp.stderr
+    final = objs[-1]
+    assert final["finish_reason"] == "stop" and "5" not in final["text"]
+    objs, _ = _generate(stack, "Once upon a time", "--max-tokens", "3")
+    assert objs[-1]["finish_reason"] == "length" and len(objs[-1]["token_ids"]) == 3
+
+
+def test_prompt_too_long_is_a_clear_error(stack: StackProc) -> None:
+    objs, cp = _generate(stack, "hello " * 9000, "--max-tokens", "2")
+    assert cp.returncode == 2
+    assert objs[-1]["type"] == "error" and objs[-1]["code"] == "prompt_too_long"
+    assert "tokens" in objs[-1]["message"]
+
+
+def test_concurrent_requests_all_complete(stack: StackProc) -> None:
+    async def go() -> list[str]:
+        async with Client(stack.nats_url) as c:
+            rs = await asyncio.gather(*[c.complete(f"Tell me a fact about the number {i}.", chat=True,
+                                                   max_tokens=8) for i in range(4)])
+            return [r.finish_reason for r in rs]
+    assert all(r in ("stop", "length") for r in asyncio.run(go()))
+
+
+def test_malformed_job_to_worker_is_dropped_and_worker_survives(stack: StackProc) -> None:
+    async def go() -> None:
+        nc = await nats.connect(stack.nats_url)
+        await nc.publish("ss.decode.decode-0.job", b"{not json")
+        await nc.publish("ss.prefill.prefill-0.job", b'{"v": 7}')
+        resp = await nc.request("ss.decode.decode-0.reserve", b'{"v": 1, "kind": "kv_reserve_request"}', timeout=5)
+        err = proto.decode(resp.data, proto.StreamError)
+        assert err.code == proto.ErrorCode.BAD_REQUEST
+        await nc.close()
+    asyncio.run(go())
+    objs, cp = _generate(stack, "Hello", "--max-tokens", "2")
+    assert cp.returncode == 0, cp.stderr
+    assert '"bad_message"' in stack.logs("decode-0")
+
+
+def test_worker_death_mid_request_is_a_terminal_error_then_recovers(stack: StackProc) -> None:
+    async def go() -> None:
+        async with Client(stack.nats_url, idle_timeout=60) as c:
+            gen = c.generate("Write a very long story about a dragon.", chat=True, max_tokens=2000)
+            killed = False
+            with pytest.raises(errors.WorkerDied) as ei:
+                async for d in gen:
+                    if d.seq == 3 and not killed:
+                        hb = await _heartbeat_of(stack.nats_url, "decode-0")
+                        assert hb.pid is not None
+                        os.kill(hb.pid, signal.SIGKILL)
+                        killed = True
+            assert "decode-0" in ei.value.message
+    t0 = time.monotonic()
+    asyncio.run(go())
+    assert time.monotonic() - t0 < 60
+    # The supervisor restarts the decoder; the stack serves again.
+    deadline = time.monotonic() + 240
+    while True:
+        objs, cp = _generate(stack, "Hello", "--max-tokens", "2", timeout=120)
+        if cp.returncode == 0:
+            break
+        assert time.monotonic() < deadline, cp.stderr
+        time.sleep(2)
+
+
+async def _heartbeat_of(url: str, worker: str) -> proto.Heartbeat:
+    nc = await nats.connect(url)
+    try:
+        sub = await nc.subscribe(proto.Subjects.heartbeat("decode", worker))
+        msg = await sub.next_msg(timeout=5)
+        return proto.decode(msg.data, proto.Heartbeat)
+    finally:
+        await nc.close()

@@ -1,0 +1,85 @@
+"""The wire contract: round trips, compact token ids, precise errors for malformed and wrong-version input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import proto
+from proto import ErrorCode, GenerateRequest, ProtocolError, StreamDelta, StreamError, StreamFinal, Subjects
+
+
+def _req(**kw: object) -> GenerateRequest:
+    base: dict[str, object] = {"request_id": "r1", "tenant": "acme", "stream_subject": "ss.stream.acme.r1"}
+    base.update(kw)
+    return GenerateRequest(**base)  # type: ignore[arg-type]
+
+
+@given(st.lists(st.integers(min_value=0, max_value=2**32 - 1), min_size=1, max_size=300))
+def test_token_ids_round_trip(ids: list[int]) -> None:
+    req = _req(prompt_token_ids=ids)
+    assert proto.decode(proto.encode(req), GenerateRequest).prompt_token_ids == ids
+
+
+def test_128k_prompt_fits_compactly() -> None:
+    ids = [i % 49152 for i in range(128 * 1024)]
+    data = proto.encode(_req(prompt_token_ids=ids))
+    # 4 bytes per token, base64: well under the 8 MiB the stack configures, and under NATS' 1 MiB default.
+    assert len(data) < 1024 * 1024
+    assert proto.decode(data, GenerateRequest).prompt_token_ids == ids
+
+
+def test_plain_list_token_ids_accepted() -> None:
+    raw = json.dumps({"v": 1, "kind": "generate_request", "request_id": "r1", "tenant": "acme",
+                      "stream_subject": "s", "prompt_token_ids": [1, 2, 3]}).encode()
+    assert proto.decode(raw, GenerateRequest).prompt_token_ids == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("payload", "code", "needle"),
+    [
+        (b"not json", ErrorCode.BAD_REQUEST, "not valid JSON"),
+        (b"[1,2]", ErrorCode.BAD_REQUEST, "JSON object"),
+        (b'{"v": 2, "request_id": "r"}', ErrorCode.UNSUPPORTED_VERSION, "v=2"),
+        (b'{"v": 1, "request_id": "r", "tenant": "t", "stream_subject": "s"}', ErrorCode.BAD_REQUEST,
+         "exactly one of prompt"),
+        (b'{"v": 1, "request_id": "a.b", "tenant": "t", "stream_subject": "s", "prompt": "x"}',
+         ErrorCode.BAD_REQUEST, "request_id"),
+        (b'{"v": 1, "request_id": "r", "tenant": "t", "stream_subject": "s", "prompt": "x",'
+         b' "sampling": {"max_tokens": 0}}', ErrorCode.BAD_REQUEST, "max_tokens"),
+        (b'{"v": 1, "request_id": "r", "tenant": "t", "stream_subject": "s", "prompt_token_ids": "@@@"}',
+         ErrorCode.BAD_REQUEST, "base64"),
+    ],
+)
+def test_malformed_messages_give_precise_errors(payload: bytes, code: ErrorCode, needle: str) -> None:
+    with pytest.raises(ProtocolError) as ei:
+        proto.decode(payload, GenerateRequest)
+    assert ei.value.code == code
+    assert needle in ei.value.message
+
+
+def test_stream_union_decodes_each_kind() -> None:
+    d = StreamDelta(request_id="r", seq=0, token_ids=[5], text="a")
+    e = StreamError(request_id="r", code=ErrorCode.WORKER_DIED, message="gone")
+    assert isinstance(proto.decode_stream(proto.encode(d)), StreamDelta)
+    assert isinstance(proto.decode_stream(proto.encode(e)), StreamError)
+    f = StreamFinal(request_id="r", seq=1, token_ids=[5], text="a", finish_reason="stop",
+                    usage=proto.Usage(prompt_tokens=3, completion_tokens=1), route=proto.Route.DIRECT,
+                    prefill_worker=None, decode_worker="d0")
+    assert proto.decode_stream(proto.encode(f)).usage.prompt_tokens == 3
+
+
+def test_descriptor_bytes_survive_json() -> None:
+    blob = bytes(range(256))
+    r = proto.KvReserveReply(request_id="r", ok=True, descriptor=blob)
+    assert proto.decode(proto.encode(r), proto.KvReserveReply).descriptor == blob
+
+
+def test_subjects_reject_injection() -> None:
+    assert Subjects.request("acme") == "ss.req.acme"
+    for bad in ["a.b", "*", ">", "a b", ""]:
+        with pytest.raises(ValueError):
+            Subjects.request(bad)
