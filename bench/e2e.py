@@ -20,7 +20,7 @@ import random
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from bench.stats import fmt, summary
 from splitserve.client import Client
@@ -52,7 +52,9 @@ async def control_plane(url: str, n: int) -> dict[str, Any]:
     return {"dispatch_ms": summary(dispatch), "publish_to_routed_ms": summary(queue), "ttft_ms": summary(ttft)}
 
 
-async def long_prompt(url: str, route: str, runs: int, tokens: int, max_tokens: int, seed: int) -> dict[str, Any]:
+async def long_prompt(
+    url: str, route: Literal["direct", "disaggregated"], runs: int, tokens: int, max_tokens: int, seed: int
+) -> dict[str, Any]:
     rng = random.Random(seed)
     ttfts, itls, prompt_tokens, prefill, transfer = [], [], [], [], []
     async with Client(url, tenant="bench", idle_timeout=600) as c:
@@ -87,7 +89,7 @@ async def kv_bandwidth(tokens: int) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=2000)
@@ -97,7 +99,7 @@ def main() -> None:
     ap.add_argument("--nats-url", default=None, help="use a running stack instead of starting one")
     ap.add_argument("--skip-bandwidth", action="store_true")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from splitserve.stackproc import start_stack
 

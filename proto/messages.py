@@ -38,6 +38,8 @@ __all__ = [
     "KvEvent",
     "KvEventBatch",
     "KvHandle",
+    "KvHeld",
+    "KvHeldRequest",
     "KvReserveReply",
     "KvReserveRequest",
     "Message",
@@ -330,6 +332,7 @@ class WorkerLoad(BaseModel):
     total_blocks: int = 0
     reserved_blocks: int = 0  # blocks leased to incoming KV transfers
     used_blocks: int = 0  # blocks holding active sequences' KV
+    cached_blocks: int = 0  # prefix-cache blocks resident (all tiers)
 
 
 class Heartbeat(Message):
@@ -388,6 +391,19 @@ class KvEventBatch(Message):
     seq: int  # per worker, +1 per batch: a jump means events were lost and the index must resync
     ts_ms: float = Field(default_factory=now_ms)
     events: list[KvEvent]
+
+
+class KvHeldRequest(Message):
+    """Ask a worker for every block it holds now (an index resync after a gap in its event stream)."""
+
+    kind: Literal["kv_held_request"] = "kv_held_request"
+
+
+class KvHeld(Message):
+    kind: Literal["kv_held"] = "kv_held"
+    worker_id: str
+    seq: int  # the last event batch seq this state includes
+    held: dict[str, list[int]]  # medium -> block hashes
 
 
 class CacheQuery(Message):

@@ -9,7 +9,8 @@ Layout (``ss`` is the product prefix; ``{tenant}`` and ``{worker}`` are single t
   ss.decode.{worker}.reserve      prefiller -> decoder, request/reply: KvReserveRequest -> KvReserveReply
   ss.decode.{worker}.kvready      prefiller -> decoder: PrefillDone (KV landed; carries the decode job)
   ss.hb.{role}.{worker}           every service: Heartbeat
-  ss.kv.{worker}                  workers: KvEventBatch (blocks stored/removed/cleared)
+  ss.kv.{worker}                  workers: KvEventBatch (blocks stored/removed/cleared), sequenced
+  ss.kv.{worker}.held             index -> worker, request/reply: KvHeldRequest -> KvHeld (resync after a gap)
   ss.evt.finished.{tenant}        decoder/prefiller/router: RequestFinished (accounting, in-flight tracking)
   ss.cache.query                  router -> cache index, request/reply: CacheQuery -> CacheQueryReply
 
@@ -71,6 +72,10 @@ class Subjects:
         return f"ss.kv.{check_token(worker, 'worker id')}"
 
     KV_EVENTS_ALL = "ss.kv.*"
+
+    @staticmethod
+    def kv_held(worker: str) -> str:
+        return f"ss.kv.{check_token(worker, 'worker id')}.held"
 
     @staticmethod
     def finished(tenant: str) -> str:

@@ -116,5 +116,40 @@ def generate(
     raise typer.Exit(rc)
 
 
+_PASS = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+@bench_app.command("index", context_settings=_PASS)
+def bench_index(ctx: typer.Context) -> None:
+    """Cache-index ops/s on a Mooncake trace beside a naive baseline (``--help`` for options)."""
+    from bench.index_bench import main as run
+
+    run(list(ctx.args))
+
+
+@bench_app.command("route", context_settings=_PASS)
+def bench_route(ctx: typer.Context) -> None:
+    """Routing decisions/s and latency per strategy (``--help`` for options)."""
+    from bench.route_bench import main as run
+
+    run(list(ctx.args))
+
+
+@bench_app.command("e2e", context_settings=_PASS)
+def bench_e2e(ctx: typer.Context) -> None:
+    """TTFT/ITL on both paths, control-plane overhead, KV push bandwidth (starts its own stack)."""
+    from bench.e2e import main as run
+
+    run(list(ctx.args))
+
+
+@bench_app.command("kvaware", context_settings=_PASS)
+def bench_kvaware(ctx: typer.Context) -> None:
+    """A repeated long prompt under kvaware vs roundrobin with 2 decoders (starts its own stacks)."""
+    from bench.kvaware import main as run
+
+    run(list(ctx.args))
+
+
 if __name__ == "__main__":
     app()

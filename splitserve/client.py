@@ -171,6 +171,7 @@ class Client:
         password: str | None = None,
         accept_timeout: float = 30.0,
         idle_timeout: float = 120.0,
+        bus: Bus | None = None,
     ) -> None:
         proto.subjects.check_token(tenant, "tenant")
         self.nats_url = resolve_nats_url(nats_url)
@@ -179,9 +180,14 @@ class Client:
         self.password = password
         self.accept_timeout = accept_timeout
         self.idle_timeout = idle_timeout
-        self._bus: Bus | None = None
+        # A service that already holds a connection (the HTTP front door) lends it: one connection per
+        # process, and the lender, not this client, closes it.
+        self._bus: Bus | None = bus
+        self._owns_bus = bus is None
 
     async def connect(self) -> Client:
+        if self._bus is not None:
+            return self
         try:
             self._bus = await Bus.connect(self.nats_url, f"client:{self.tenant}", user=self.user,
                                           password=self.password, reconnect=True)
@@ -190,9 +196,9 @@ class Client:
         return self
 
     async def close(self) -> None:
-        if self._bus is not None:
+        if self._bus is not None and self._owns_bus:
             await self._bus.close()
-            self._bus = None
+        self._bus = None
 
     async def __aenter__(self) -> Client:
         return await self.connect()
@@ -220,10 +226,13 @@ class Client:
         timeout: float | None = None,
         priority: int = 0,
         route: Literal["auto", "direct", "disaggregated"] = "auto",
+        tenant: str | None = None,
     ) -> Generation:
         """Start a streaming request. ``prompt`` is text (``chat=True`` wraps it as one user message),
-        a list of chat messages (``{"role", "content"}``), or a list of token ids."""
+        a list of chat messages (``{"role", "content"}``), or a list of token ids. ``tenant`` overrides the
+        client's own for this request (a gateway serving many tenants over one connection)."""
         rid = request_id or uuid.uuid4().hex
+        tenant = self.tenant if tenant is None else tenant
         fields: dict[str, Any] = {}
         if isinstance(prompt, str):
             if chat:
@@ -236,10 +245,10 @@ class Client:
             fields["messages"] = [ChatMessage.model_validate(m) for m in prompt]
         try:
             req = GenerateRequest(
-                request_id=rid, tenant=self.tenant,
+                request_id=rid, tenant=tenant,
                 sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                         stop=list(stop)),
-                session_id=session_id, stream_subject=proto.Subjects.stream(self.tenant, rid),
+                session_id=session_id, stream_subject=proto.Subjects.stream(tenant, rid),
                 deadline_ms=None if timeout is None else proto.now_ms() + timeout * 1000, priority=priority,
                 route=route, **fields,
             )

@@ -74,8 +74,9 @@ class Stack:
         eng = ["--engine", c.engine, "--dtype", c.dtype, "--transport", c.transport]
         if c.model:
             eng += ["--model", c.model]
-        if c.threads:
-            eng += ["--threads", str(c.threads)]
+        # Workers share the machine's cores: oversubscribed torch threads make every step far slower.
+        threads = c.threads or max(1, (os.cpu_count() or 1) // max(1, c.prefill + c.decode))
+        eng += ["--threads", str(threads)]
         out = [Child("router-0", "router", py + ["services.router", "--worker-id", "router-0", "--strategy",
                                                  c.strategy, "--disagg-threshold", str(c.disagg_threshold),
                                                  *(["--model", c.model] if c.model else []), *common],

@@ -5,11 +5,12 @@ Used by the end-to-end tests and the benchmarks, which must measure the product 
 from __future__ import annotations
 
 import os
+import queue
 import re
-import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,24 +45,31 @@ def start_stack(state_dir: Path, *args: str, timeout: float = 420.0) -> StackPro
     exe = str(Path(sys.executable).parent / "splitserve")
     proc = subprocess.Popen([exe, "up", "--nats-port", "0", "--state-dir", str(state_dir), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        # A thread, not select(): buffered readline() can hold several lines select() never reports.
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line.rstrip())
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True, name="stack-stdout").start()
+    seen: list[str] = []
     url = None
     deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
     while time.monotonic() < deadline:
-        r, _, _ = select.select([proc.stdout], [], [], 1.0)
-        if not r:
-            if proc.poll() is not None:
-                break
+        try:
+            line = lines.get(timeout=1.0)
+        except queue.Empty:
             continue
-        line = proc.stdout.readline()
-        if not line:
+        if line is None:
             break
-        lines.append(line.rstrip())
+        seen.append(line)
         m = re.search(r"NATS: (nats://\S+)", line)
         if m:
             url = m.group(1)
         if "splitserve is up" in line and url:
-            return StackProc(proc, url, state_dir, lines)
+            return StackProc(proc, url, state_dir, seen)
     proc.kill()
-    raise RuntimeError("splitserve up did not come up:\n" + "\n".join(lines))
+    raise RuntimeError("splitserve up did not come up:\n" + "\n".join(seen))

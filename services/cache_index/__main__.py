@@ -14,11 +14,12 @@ app = typer.Typer(add_completion=False)
 def main(
     nats_url: str = cli.NatsUrl,
     worker_id: str = typer.Option("cache-index-0"),
+    snapshot_interval_s: float = typer.Option(5.0, help="seconds between index snapshots"),
     log_level: str = cli.LogLevel,
 ) -> None:
     from services.cache_index.service import CacheIndexService
 
-    run_service(CacheIndexService(worker_id, nats_url, log_level=log_level))
+    run_service(CacheIndexService(worker_id, nats_url, snapshot_interval_s=snapshot_interval_s, log_level=log_level))
 
 
 if __name__ == "__main__":

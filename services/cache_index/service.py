@@ -1,46 +1,121 @@
-"""Cache-index service: keeps prefix residency per worker and tier from the workers' KV events and answers
-"how many leading blocks of this prompt does each worker hold" over request/reply.
+"""Cache-index service: prefix residency per worker and tier, fed by the workers' own KV events, answering
+"how many leading blocks of this prompt does each worker hold" over request/reply (``ss.cache.query``).
 
-Thin by design: the index itself is :class:`splitserve.cache.index.PrefixIndex` (pure code). Workers
-that stop heartbeating are dropped from the index.
+Durability: the workers' event batches are captured by a JetStream stream (``SS_KV_EVENTS``); the index
+is snapshotted into a JetStream object store every few seconds together with the stream sequence it
+covers. On start the service restores the snapshot and replays the stream from the next sequence, so a
+restart loses nothing. A worker whose batches skip a sequence number is resynced from its own dump
+(``ss.kv.{worker}.held``); a worker that stops heartbeating is dropped. The index itself is the pure
+:class:`splitserve.cache.index.PrefixIndex`; this service only moves messages.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from typing import Any
 
+import msgpack
 from nats.aio.msg import Msg
+from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
+from nats.js.errors import NotFoundError, ObjectNotFoundError
 
-from proto import CacheQuery, CacheQueryReply, Heartbeat, KvEventBatch, Subjects, WorkerLoad
+import proto
+from proto import CacheQuery, CacheQueryReply, Heartbeat, KvEventBatch, KvHeld, KvHeldRequest, Subjects, WorkerLoad
 from splitserve.cache import events as cache_events
 from splitserve.cache.index import PrefixIndex
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
 
+STREAM = "SS_KV_EVENTS"
+BUCKET = "ss-cache-index"
+SNAPSHOT_KEY = "snapshot"
+
 
 class CacheIndexService(Service):
     role = "cache_index"
 
-    def __init__(self, worker_id: str, nats_url: str, **kw: object) -> None:
-        super().__init__(worker_id, nats_url, **kw)  # type: ignore[arg-type]
+    def __init__(self, worker_id: str, nats_url: str, *, snapshot_interval_s: float = 5.0,
+                 stream_max_age_s: float = 3600.0, **kw: Any) -> None:
+        super().__init__(worker_id, nats_url, **kw)
         self.index = PrefixIndex()
         self.registry = WorkerRegistry()
+        self.snapshot_interval_s = snapshot_interval_s
+        self.stream_max_age_s = stream_max_age_s
+        self.applied_seq = 0  # last JetStream stream sequence applied to the index
+        self.snapshot_seq = 0
         self.gaps = 0
+        self.restored_from: int | None = None
+
+    async def setup(self) -> None:
+        self.js = self.b.nc.jetstream()
+        cfg = StreamConfig(name=STREAM, subjects=[Subjects.KV_EVENTS_ALL], max_age=self.stream_max_age_s,
+                           max_msgs=2_000_000)
+        try:
+            await self.js.add_stream(cfg)
+        except Exception:
+            await self.js.update_stream(cfg)
+        try:
+            self.store = await self.js.object_store(BUCKET)
+        except NotFoundError:
+            self.store = await self.js.create_object_store(BUCKET)
+        await self._restore()
+
+    async def _restore(self) -> None:
+        try:
+            obj = await self.store.get(SNAPSHOT_KEY)
+        except (ObjectNotFoundError, NotFoundError):
+            return
+        data = msgpack.unpackb(obj.data or b"", raw=False)
+        self.index.restore(data["index"])
+        self.applied_seq = self.snapshot_seq = int(data["stream_seq"])
+        self.restored_from = self.applied_seq
+        self.log.info("index_restored", stream_seq=self.applied_seq, blocks=self.index.stats().to_dict())
 
     async def start(self) -> None:
-        await self.b.subscribe(Subjects.KV_EVENTS_ALL, KvEventBatch, self.on_events)
+        # Replay everything after the snapshot, then keep consuming live (one ordered consumer does both).
+        start = self.applied_seq + 1
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
+        await self.js.subscribe(Subjects.KV_EVENTS_ALL, cb=self.on_event_msg, ordered_consumer=True, config=config)
         await self.b.subscribe(Subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         await self.b.subscribe(Subjects.CACHE_QUERY, CacheQuery, self.on_query, queue="cache_index")
         self.b.spawn(self._reaper())
+        self.b.spawn(self._snapshotter())
+
+    async def shutdown(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._snapshot()
 
     def load(self) -> WorkerLoad:
-        return WorkerLoad(used_blocks=self.index.stats().blocks if hasattr(self.index.stats(), "blocks") else 0)
+        return WorkerLoad(cached_blocks=self.index.stats().to_dict().get("blocks", 0))
 
-    async def on_events(self, batch: KvEventBatch, _: Msg) -> None:
-        gap = self.index.apply(cache_events.KvEventBatch.from_dict(batch.model_dump()))
-        if gap:
+    def heartbeat_extra(self) -> dict[str, Any]:
+        return {}
+
+    async def on_event_msg(self, msg: Msg) -> None:
+        seq = msg.metadata.sequence.stream
+        if seq <= self.applied_seq:
+            return
+        self.applied_seq = seq
+        try:
+            batch = proto.decode(msg.data, KvEventBatch)
+        except proto.ProtocolError as exc:
+            self.log.warning("bad_kv_event_batch", error=exc.message, stream_seq=seq)
+            return
+        if self.index.apply(cache_events.KvEventBatch.from_dict(batch.model_dump())):
             self.gaps += 1
-            self.log.warning("kv_event_gap", worker=batch.worker_id, seq=batch.seq)
+            self.log.warning("kv_event_gap", target=batch.worker_id, seq=batch.seq)
+            self.b.spawn(self._resync(batch.worker_id))
+
+    async def _resync(self, worker_id: str) -> None:
+        try:
+            reply = await self.b.request(Subjects.kv_held(worker_id), KvHeldRequest(), KvHeld, timeout=5.0)
+        except Exception as exc:
+            self.log.warning("kv_resync_failed", target=worker_id, error=str(exc))
+            return
+        if isinstance(reply, KvHeld):
+            self.index.resync(worker_id, reply.seq, reply.held)
 
     async def on_heartbeat(self, hb: Heartbeat, _: Msg) -> None:
         self.registry.observe(hb, time.monotonic())
@@ -49,10 +124,24 @@ class CacheIndexService(Service):
         await self.b.respond(msg, CacheQueryReply(matched_blocks=self.index.lookup(q.block_hashes)))
 
     async def _reaper(self) -> None:
-        import asyncio
-
         while True:
             await asyncio.sleep(0.5)
             for wid, reason in self.registry.reap(time.monotonic()):
                 if self.index.remove_worker(wid):
                     self.log.info("worker_dropped_from_index", dropped_worker=wid, reason=reason)
+
+    async def _snapshot(self) -> None:
+        if self.applied_seq == self.snapshot_seq:
+            return
+        seq = self.applied_seq
+        data = msgpack.packb({"stream_seq": seq, "index": self.index.snapshot()}, use_bin_type=True)
+        await self.store.put(SNAPSHOT_KEY, data)
+        self.snapshot_seq = seq
+
+    async def _snapshotter(self) -> None:
+        while True:
+            await asyncio.sleep(self.snapshot_interval_s)
+            try:
+                await self._snapshot()
+            except Exception as exc:
+                self.log.warning("snapshot_failed", error=str(exc))

@@ -23,6 +23,8 @@ def main(
     transport: str = cli.Transport,
     landing_tokens: int = typer.Option(16384, help="KV landing buffer size in tokens"),
     max_batch: int = typer.Option(16, help="most sequences decoded together"),
+    cache_tokens: int = typer.Option(8192, help="prefix-cache capacity in tokens (0 = off)"),
+    l1_tokens: int = typer.Option(0, help="CPU L1 prefix-cache tier capacity in tokens (0 = off)"),
     log_level: str = cli.LogLevel,
 ) -> None:
     from services.decode.service import DecodeService
@@ -30,7 +32,7 @@ def main(
     opts = EngineOptions(engine=engine, model=model, dtype=dtype, threads=threads, block_size=block_size,
                          transport=transport)
     run_service(DecodeService(worker_id, nats_url, opts=opts, landing_tokens=landing_tokens,
-                              max_batch=max_batch, log_level=log_level))
+                              max_batch=max_batch, cache_tokens=cache_tokens, l1_tokens=l1_tokens, log_level=log_level))
 
 
 if __name__ == "__main__":

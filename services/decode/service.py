@@ -37,8 +37,10 @@ from proto import (
     now_ms,
 )
 from services.common.engine_thread import EngineThread
+from services.common.kvcache import KvEventPublisher, make_store
 from services.common.options import EngineOptions
-from splitserve.engines import PromptTooLong, Sampling
+from splitserve.cache.store import PrefixKvStore
+from splitserve.engines import PrefillResult, PromptTooLong, Sampling
 from splitserve.engines.detok import IncrementalDetokenizer, StopChecker
 from splitserve.kv import BlockPool, KvLayout, make_receiver
 from splitserve.obs import tracing
@@ -91,10 +93,16 @@ class DecodeService(Service):
         landing_tokens: int = 16384,
         max_batch: int = 16,
         lease_s: float = 30.0,
+        cache_tokens: int = 8192,
+        l1_tokens: int = 0,
         **kw: Any,
     ) -> None:
         super().__init__(worker_id, nats_url, **kw)
         self.opts = opts
+        self.cache_tokens = cache_tokens
+        self.l1_tokens = l1_tokens
+        self.store: PrefixKvStore | None = None
+        self.kv_events: KvEventPublisher | None = None
         self.landing_tokens = landing_tokens
         self.max_batch = max_batch
         self.lease_s = lease_s
@@ -113,12 +121,18 @@ class DecodeService(Service):
                                dtype=getattr(torch, info.dtype))
         self.pool = BlockPool(self.layout, self.layout.blocks_for_tokens(self.landing_tokens))
         self.receiver = await asyncio.to_thread(make_receiver, self.opts.transport, self.pool)
+        self.store = make_store(info, block_size=self.opts.block_size, cache_tokens=self.cache_tokens,
+                                l1_tokens=self.l1_tokens)
+        if self.store is not None:
+            self.kv_events = KvEventPublisher(self.b, self.worker_id, self.store, self.thread)
 
     async def start(self) -> None:
         b = self.b
         await b.subscribe(Subjects.decode_job(self.worker_id), DecodeJob, self.on_job)
         await b.subscribe(Subjects.kv_reserve(self.worker_id), KvReserveRequest, self.on_reserve)
         await b.subscribe(Subjects.kv_ready(self.worker_id), PrefillDone, self.on_kv_ready, concurrent=True)
+        if self.kv_events is not None:
+            await self.kv_events.start()
         b.spawn(self._engine_loop())
         b.spawn(self._lease_sweeper())
 
@@ -141,6 +155,7 @@ class DecodeService(Service):
             reserved_blocks=reserved,
             used_blocks=sum(len(s.job.prompt_token_ids) + len(s.generated) for s in self.active.values())
             // max(1, self.opts.block_size),
+            cached_blocks=sum(self.store.stats().blocks.values()) if self.store is not None else 0,
         )
 
     def active_requests(self) -> list[str]:
@@ -250,12 +265,13 @@ class DecodeService(Service):
             if kv is None:
                 t0 = time.perf_counter()
                 try:
-                    res = await self.thread.run(self.engine.prefill, job.prompt_token_ids, sampling)
+                    res = await self.thread.run(self._prefill_cached, job.prompt_token_ids, sampling)
                 except PromptTooLong as exc:
                     await self._error(job, ErrorCode.PROMPT_TOO_LONG, str(exc))
                     return
                 prefill_ms = (time.perf_counter() - t0) * 1000
                 kv, first = res.kv, res.first_token
+                adm.cached_tokens = len(job.prompt_token_ids) - res.num_computed_tokens
             assert first is not None
             await self.thread.run(self.engine.add_sequence, job.request_id, kv, first, sampling)
         seq = Sequence(
@@ -271,9 +287,23 @@ class DecodeService(Service):
         self.active[job.request_id] = seq
         await self._emit(seq, first)
 
+    def _prefill_cached(self, ids: list[int], sampling: Sampling) -> PrefillResult:
+        """Engine thread: prefill only what the prefix cache does not hold."""
+        past = None
+        if self.store is not None:
+            m = self.store.match(ids)
+            past = m.kv if m.num_tokens else None
+        return self.engine.prefill(ids, sampling, past_kv=past)
+
+    def _retire(self, request_id: str, tokens: list[int], keep: bool) -> None:
+        """Engine thread: drop a sequence, keeping its KV as reusable prefix blocks when it ended well."""
+        kv = self.engine.remove_sequence(request_id, keep_kv=keep and self.store is not None)
+        if kv is not None and self.store is not None:
+            self.store.insert(tokens[: kv.shape[3]], kv)
+
     def _max_new(self, job: DecodeJob) -> int:
-        room = self.engine.info.max_model_len - len(job.prompt_token_ids)
-        return max(1, min(job.sampling.max_tokens, room))
+        # Cap at the model's context: one sequence at the limit would stop the whole batch (ContextFull).
+        return max(1, min(job.sampling.max_tokens, self.engine.room_for(len(job.prompt_token_ids))))
 
     async def _step(self) -> None:
         out = await self.thread.run(self.engine.step)
@@ -301,7 +331,7 @@ class DecodeService(Service):
 
     async def _finish(self, seq: Sequence, reason: str) -> None:
         job = seq.job
-        await self._drop(job.request_id)
+        await self._drop(job.request_id, [*job.prompt_token_ids, *seq.generated])
         seq.timings.total_ms = now_ms() - job.created_ms
         usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(seq.generated),
                       cached_tokens=seq.cached_tokens)
@@ -319,9 +349,11 @@ class DecodeService(Service):
                       completion_tokens=len(seq.generated), route=str(job.route),
                       total_ms=round(seq.timings.total_ms or 0, 1))
 
-    async def _drop(self, request_id: str) -> None:
+    async def _drop(self, request_id: str, tokens: list[int] | None = None) -> None:
         if self.active.pop(request_id, None) is not None:
-            await self.thread.run(self.engine.remove_sequence, request_id)
+            await self.thread.run(self._retire, request_id, tokens or [], tokens is not None)
+            if self.kv_events is not None:
+                await self.kv_events.flush()
 
     async def _error(self, job: DecodeJob, code: ErrorCode, message: str) -> None:
         self.log.warning("request_failed", request_id=job.request_id, code=str(code), reason=message)

@@ -21,13 +21,16 @@ def main(
     threads: int | None = cli.Threads,
     block_size: int = cli.BlockSize,
     transport: str = cli.Transport,
+    cache_tokens: int = typer.Option(8192, help="prefix-cache capacity in tokens (0 = off)"),
+    l1_tokens: int = typer.Option(0, help="CPU L1 prefix-cache tier capacity in tokens (0 = off)"),
     log_level: str = cli.LogLevel,
 ) -> None:
     from services.prefill.service import PrefillService
 
     opts = EngineOptions(engine=engine, model=model, dtype=dtype, threads=threads, block_size=block_size,
                          transport=transport)
-    run_service(PrefillService(worker_id, nats_url, opts=opts, log_level=log_level))
+    run_service(PrefillService(worker_id, nats_url, opts=opts, cache_tokens=cache_tokens, l1_tokens=l1_tokens,
+                               log_level=log_level))
 
 
 if __name__ == "__main__":

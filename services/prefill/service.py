@@ -33,8 +33,10 @@ from proto import (
     now_ms,
 )
 from services.common.engine_thread import EngineThread
+from services.common.kvcache import KvEventPublisher, make_store
 from services.common.options import EngineOptions
-from splitserve.engines import PromptTooLong, Sampling
+from splitserve.cache.store import PrefixKvStore
+from splitserve.engines import PrefillResult, PromptTooLong, Sampling
 from splitserve.kv import BlockPool, KvLayout, make_sender
 from splitserve.obs import tracing
 from splitserve.runtime.service import Service
@@ -57,10 +59,16 @@ class PrefillService(Service):
         opts: EngineOptions,
         staging_tokens: int | None = None,
         reserve_wait_s: float = 60.0,
+        cache_tokens: int = 8192,
+        l1_tokens: int = 0,
         **kw: Any,
     ) -> None:
         super().__init__(worker_id, nats_url, **kw)
         self.opts = opts
+        self.cache_tokens = cache_tokens
+        self.l1_tokens = l1_tokens
+        self.store: PrefixKvStore | None = None
+        self.kv_events: KvEventPublisher | None = None
         self.staging_tokens = staging_tokens
         self.reserve_wait_s = reserve_wait_s
         self.queue: deque[tuple[PrefillJob, dict[str, str]]] = deque()
@@ -78,9 +86,15 @@ class PrefillService(Service):
         tokens = self.staging_tokens or info.max_model_len
         self.pool = BlockPool(self.layout, self.layout.blocks_for_tokens(tokens))
         self.sender = await asyncio.to_thread(make_sender, self.opts.transport, self.pool)
+        self.store = make_store(info, block_size=self.opts.block_size, cache_tokens=self.cache_tokens,
+                                l1_tokens=self.l1_tokens)
+        if self.store is not None:
+            self.kv_events = KvEventPublisher(self.b, self.worker_id, self.store, self.thread)
 
     async def start(self) -> None:
         await self.b.subscribe(Subjects.prefill_job(self.worker_id), PrefillJob, self.on_job)
+        if self.kv_events is not None:
+            await self.kv_events.start()
         self.b.spawn(self._loop())
 
     async def shutdown(self) -> None:
@@ -94,7 +108,8 @@ class PrefillService(Service):
         if self.current is not None:
             queued += len(self.current.prompt_token_ids)
         return WorkerLoad(active_seqs=int(self.current is not None), queued_requests=len(self.queue),
-                          queued_prefill_tokens=queued)
+                          queued_prefill_tokens=queued,
+                          cached_blocks=sum(self.store.stats().blocks.values()) if self.store is not None else 0)
 
     def active_requests(self) -> list[str]:
         ids = [j.decode.request_id for j, _ in self.queue]
@@ -174,7 +189,7 @@ class PrefillService(Service):
         sampling = Sampling(temperature=job.sampling.temperature, top_p=job.sampling.top_p, seed=job.sampling.seed)
         t0 = time.perf_counter()
         try:
-            res = await self.thread.run(self.engine.prefill, ids, sampling)
+            res = await self.thread.run(self._prefill_cached, ids, sampling)
         except PromptTooLong as exc:
             raise JobFailed(ErrorCode.PROMPT_TOO_LONG, str(exc)) from None
         prefill_ms = (time.perf_counter() - t0) * 1000
@@ -204,8 +219,21 @@ class PrefillService(Service):
             decode=job,
         )
         await self.b.publish(Subjects.kv_ready(job.decoder_id), done)
+        if self.kv_events is not None:
+            await self.kv_events.flush()
         self.log.info("prefilled", request_id=job.request_id, tokens=len(ids), prefill_ms=round(prefill_ms, 1),
                       kv_bytes=stats.bytes, transfer_ms=round(stats.seconds * 1000, 2), decoder=job.decoder_id)
+
+    def _prefill_cached(self, ids: list[int], sampling: Sampling) -> PrefillResult:
+        """Engine thread: reuse the longest cached prefix, prefill the rest, keep the result for next time."""
+        past = None
+        if self.store is not None:
+            m = self.store.match(ids)
+            past = m.kv if m.num_tokens else None
+        res = self.engine.prefill(ids, sampling, past_kv=past)
+        if self.store is not None:
+            self.store.insert(ids, res.kv)
+        return res
 
     async def _fail(self, job: DecodeJob, code: ErrorCode, message: str) -> None:
         self.log.warning("request_failed", request_id=job.request_id, code=str(code), reason=message)

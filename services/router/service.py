@@ -21,6 +21,9 @@ from proto import (
     ErrorCode,
     GenerateRequest,
     Heartbeat,
+    KvEventBatch,
+    KvHeld,
+    KvHeldRequest,
     PrefillJob,
     RequestFinished,
     Route,
@@ -29,6 +32,8 @@ from proto import (
     WorkerLoad,
     now_ms,
 )
+from splitserve.cache import events as cache_events
+from splitserve.cache.index import PrefixIndex
 from splitserve.obs import tracing
 from splitserve.routing import NoWorkers, Router, RoutingRequest, WorkerView
 from splitserve.runtime.bus import PayloadTooLarge
@@ -76,12 +81,16 @@ class RouterService(Service):
         from services.router.tokenize import PromptTokenizer
 
         self.tokenizer = await asyncio.to_thread(PromptTokenizer, self.model)
-        self.policy = Router(strategy=self.strategy_name, disagg_threshold=self.disagg_threshold)
+        # The router always keeps an in-process replica of the cache index, fed by the workers' own KV
+        # events: kvaware routes on it, and every strategy's disaggregation rule counts *uncached* tokens.
+        self.index = PrefixIndex()
+        self.policy = Router(strategy=self.strategy_name, disagg_threshold=self.disagg_threshold, index=self.index)
 
     async def start(self) -> None:
         b = self.b
         await b.subscribe(Subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         await b.subscribe(Subjects.FINISHED_ALL, RequestFinished, self.on_finished)
+        await b.subscribe(Subjects.KV_EVENTS_ALL, KvEventBatch, self.on_kv_events)
         await b.subscribe(
             Subjects.REQUEST_ALL, GenerateRequest, self.on_request, queue=Subjects.ROUTER_QUEUE, concurrent=True
         )
@@ -107,6 +116,23 @@ class RouterService(Service):
                     inf.holder = hb.worker_id
                     self.policy.release(rid)  # the decoder's own load report now counts it
         self._worker_change.set()
+
+    async def on_kv_events(self, batch: KvEventBatch, _: Msg) -> None:
+        gap = self.policy.apply_events(cache_events.KvEventBatch.from_dict(batch.model_dump()))
+        if gap:
+            self.b.spawn(self._resync(batch.worker_id))
+
+    async def _resync(self, worker_id: str) -> None:
+        """Events from this worker were lost: replace what we believe it holds with what it says it holds."""
+        try:
+            reply = await self.b.request(Subjects.kv_held(worker_id), KvHeldRequest(), KvHeld, timeout=5.0)
+        except Exception as exc:
+            self.log.warning("kv_resync_failed", target=worker_id, error=str(exc))
+            return
+        if isinstance(reply, KvHeld):
+            self.index.resync(worker_id, reply.seq, reply.held)
+            self.log.info("kv_resynced", target=worker_id, seq=reply.seq,
+                          blocks=sum(len(v) for v in reply.held.values()))
 
     async def on_finished(self, ev: RequestFinished, _: Msg) -> None:
         self.inflight.pop(ev.request_id, None)

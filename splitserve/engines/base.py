@@ -93,9 +93,7 @@ class ContextFull(EngineError):
         self.seq_id = seq_id
         self.tokens = tokens
         self.limit = limit
-        super().__init__(
-            f"sequence {seq_id!r} would reach {tokens} tokens; the model's maximum length is {limit}"
-        )
+        super().__init__(f"sequence {seq_id!r} would reach {tokens} tokens; the model's maximum length is {limit}")
 
 
 def check_kv(kv: Tensor, info: ModelInfo, what: str = "kv") -> int:
@@ -104,9 +102,7 @@ def check_kv(kv: Tensor, info: ModelInfo, what: str = "kv") -> int:
         raise ValueError(f"{what} must have 5 dims [L, 2, H, T, D], got shape {tuple(kv.shape)}")
     num_tokens = kv.shape[3]
     if tuple(kv.shape) != info.kv_shape(num_tokens):
-        raise ValueError(
-            f"{what} shape {tuple(kv.shape)} does not match the model's {info.kv_shape(num_tokens)}"
-        )
+        raise ValueError(f"{what} shape {tuple(kv.shape)} does not match the model's {info.kv_shape(num_tokens)}")
     return int(num_tokens)
 
 

@@ -46,9 +46,7 @@ class StepInputs:
 
 
 class DecodeBatch:
-    def __init__(
-        self, info: ModelInfo, dtype: torch.dtype, device: torch.device, min_headroom: int = 64
-    ) -> None:
+    def __init__(self, info: ModelInfo, dtype: torch.dtype, device: torch.device, min_headroom: int = 64) -> None:
         self.info, self.dtype, self.device = info, dtype, device
         self.min_headroom = min_headroom  # columns reserved beyond the width when (re)allocating
         self.rows: list[_Seq] = []  # row order
@@ -127,8 +125,8 @@ class DecodeBatch:
         seq, last = self.rows[row], len(self.rows) - 1
         out = None
         if keep_kv:
-            # allocated outside inference mode so callers may keep and modify it freely
-            out = torch.empty(self.info.kv_shape(seq.length), dtype=self.dtype, device=self.device)
+            with torch.inference_mode(False):  # an ordinary tensor: callers may keep and modify it freely
+                out = self._empty(self.info.kv_shape(seq.length))
         start = self.width - seq.length
         for layer in range(self.info.num_layers):
             for buf, part in ((self.keys[layer], 0), (self.values[layer], 1)):

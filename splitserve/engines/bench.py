@@ -67,9 +67,7 @@ def time_decode(engine: HfEngine, batch: int, prompt_len: int, steps: int) -> fl
 
 def time_join_leave(engine: HfEngine, batch: int, prompt_len: int) -> tuple[float, float]:
     """ms to add one sequence to / remove one (with its KV) from a running batch of `batch`."""
-    kvs = [
-        engine.prefill(prompt_ids(engine, prompt_len + 7 * i, salt=i), Sampling()).kv for i in range(batch)
-    ]
+    kvs = [engine.prefill(prompt_ids(engine, prompt_len + 7 * i, salt=i), Sampling()).kv for i in range(batch)]
     for i, kv in enumerate(kvs[:-1]):
         engine.add_sequence(f"j{i}", kv, 1, Sampling())
     engine.step()
@@ -99,9 +97,7 @@ def time_decode_dynamic_cache(engine: HfEngine, batch: int, prompt_len: int, ste
     for row, (kv, n) in enumerate(zip(kvs, lengths, strict=True)):
         padded[:, :, row, :, width - n :] = kv
     state: dict[str, Any] = {
-        "cache": DynamicCache(
-            ddp_cache_data=[(layer[0], layer[1]) for layer in padded], config=engine.model.config
-        ),
+        "cache": DynamicCache(ddp_cache_data=[(layer[0], layer[1]) for layer in padded], config=engine.model.config),
         "mask": torch.tensor([[0] * (width - n) + [1] * n for n in lengths]),
         "positions": torch.tensor(lengths).unsqueeze(1),
         "tokens": torch.ones((batch, 1), dtype=torch.long),
@@ -151,9 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=None)

@@ -9,6 +9,12 @@ emitted (`read_offset`) is released, and never while it still ends in an incompl
 `StopChecker` applies the finish rules: EOS token -> "stop", stop string -> "stop" (text trimmed at the
 stop string), max_tokens -> "length". It withholds any tail of the text that could still grow into a stop
 string, so a client never sees text that later turns out to be part of one.
+
+A decode worker's loop, per generated token:
+
+    update = stop.update(token, detok.feed(token))
+    send(update.text)
+    if update.finish_reason: finish(update.finish_reason)
 """
 
 from __future__ import annotations
@@ -112,9 +118,7 @@ class StopChecker:
         if int(token_id) in self.eos_ids:
             return self._finish("stop", self.pending)
         buffer = self.pending + text
-        match = min(
-            ((buffer.find(s), s) for s in self.stop_strings if s in buffer), default=None, key=lambda m: m[0]
-        )
+        match = min(((buffer.find(s), s) for s in self.stop_strings if s in buffer), default=None, key=lambda m: m[0])
         if match is not None:
             index, stop = match
             return self._finish("stop", buffer[:index], stop)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from splitserve.engines.attention import use_gqa_sdpa
 from splitserve.engines.base import (
@@ -38,8 +39,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def _model_info(model: Any, tokenizer: Any, name: str, max_model_len: int | None) -> ModelInfo:
     config = model.config.get_text_config(decoder=True)
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    if any(t != "full_attention" for t in layer_types) or getattr(config, "sliding_window", None):
+    # the same rule transformers uses to pick cache layer types: our buffer caches model full attention only
+    layer_types, _ = get_layer_types_and_kwargs(config)
+    if set(layer_types) != {"full_attention"} or len(layer_types) != config.num_hidden_layers:
         raise ValueError(f"the hf engine supports full-attention models only; {name} has {set(layer_types)}")
     num_heads = config.num_attention_heads
     eos: list[int] = []
@@ -171,9 +173,7 @@ class HfEngine(Engine):
         num_tokens = check_kv(kv, self.info)
         if not 0 <= int(last_token) < self.info.vocab_size:
             # caught here, not as an embedding IndexError that would fail every sequence's step
-            raise ValueError(
-                f"last_token {last_token} is outside the vocabulary (size {self.info.vocab_size})"
-            )
+            raise ValueError(f"last_token {last_token} is outside the vocabulary (size {self.info.vocab_size})")
         # kv + last_token must leave room for the token this sequence's first step produces
         if num_tokens + 1 >= self.info.max_model_len:
             raise PromptTooLong(num_tokens + 1, self.info.max_model_len)

@@ -46,9 +46,7 @@ class BufferLayer(DynamicLayer):
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         pass  # buffers are given at construction
 
-    def update(
-        self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[Tensor, Tensor]:
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
         end = self.length + key_states.shape[-2]
         if end > self.kbuf.shape[2]:
             raise RuntimeError(f"KV buffer of {self.kbuf.shape[2]} tokens cannot hold {end}")

@@ -67,6 +67,4 @@ def resolve_model(model: str | Path | None = None) -> ModelSource:
         if ggufs:
             raise ModelNotFound(f"{path} holds several .gguf files ({', '.join(ggufs)}); name one")
         raise ModelNotFound(f"{path} has neither config.json nor a .gguf file")
-    raise ModelNotFound(
-        f"model {str(model)!r} is not a local folder or .gguf file (hub ids are not fetched: offline)"
-    )
+    raise ModelNotFound(f"model {str(model)!r} is not a local folder or .gguf file (hub ids are not fetched: offline)")

@@ -68,9 +68,10 @@ def sample(logits: Tensor, samplings: Sequence[Sampling], positions: Sequence[in
     tokens = torch.argmax(logits, dim=-1)  # greedy rows, and a placeholder for the others
     rows = [i for i, s in enumerate(samplings) if not s.greedy]
     if rows:
-        index = torch.tensor(rows, dtype=torch.long)
-        temperature = torch.tensor([samplings[i].temperature for i in rows], dtype=torch.float32)
-        top_p = torch.tensor([samplings[i].top_p for i in rows], dtype=torch.float32)
-        uniforms = torch.tensor([position_uniform(samplings[i].seed, positions[i]) for i in rows])
-        tokens[index] = sample_rows(logits[index], temperature, top_p, uniforms.float())
+        device = logits.device
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        temperature = torch.tensor([samplings[i].temperature for i in rows], device=device)
+        top_p = torch.tensor([samplings[i].top_p for i in rows], device=device)
+        uniforms = torch.tensor([position_uniform(samplings[i].seed, positions[i]) for i in rows], device=device)
+        tokens[index] = sample_rows(logits[index], temperature, top_p, uniforms)
     return [int(t) for t in tokens.tolist()]

@@ -9,6 +9,7 @@ has a reply subject, otherwise logged and dropped — the handler never sees it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -63,7 +64,7 @@ class Bus:
             log.info("nats_reconnected")
 
         nc = NATS()
-        await nc.connect(
+        connecting = nc.connect(
             url,
             name=name,
             user=user,
@@ -76,6 +77,14 @@ class Bus:
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
         )
+        # With unlimited reconnects nats-py retries the *initial* connect forever; bound it so that a wrong
+        # URL is a clear error. Once connected, reconnects are unlimited (a NATS restart is survivable).
+        try:
+            await asyncio.wait_for(connecting, timeout=connect_timeout * 2)
+        except Exception:
+            with contextlib.suppress(Exception):
+                await nc.close()
+            raise
         return cls(nc, name)
 
     @property

@@ -14,6 +14,7 @@ class WorkerState:
     last_seen: float
     first_seen: float
     dead_reason: str | None = None
+    was_ready: bool = False  # a worker still loading its model holds no requests: its silence is not a death
 
 
 @dataclass
@@ -29,12 +30,14 @@ class WorkerRegistry:
         st = self.workers.get(hb.worker_id)
         if st is None or st.hb.pid != hb.pid:
             # New worker, or the same id restarted as a new process.
-            self.workers[hb.worker_id] = WorkerState(hb=hb, last_seen=now, first_seen=now)
+            self.workers[hb.worker_id] = WorkerState(hb=hb, last_seen=now, first_seen=now,
+                                                     was_ready=hb.state == "ready")
             return
         if hb.seq >= st.hb.seq:
             st.hb = hb
             st.last_seen = now
             st.dead_reason = None
+            st.was_ready = st.was_ready or hb.state == "ready"
 
     def timeout_for(self, st: WorkerState) -> float:
         return max(self.min_timeout_s, self.miss_factor * st.hb.interval_ms / 1000.0)
@@ -53,7 +56,7 @@ class WorkerRegistry:
         """Workers that just died (missed heartbeats or announced stop) with a reason; each reported once."""
         dead: list[tuple[str, str]] = []
         for wid, st in self.workers.items():
-            if st.dead_reason is not None:
+            if st.dead_reason is not None or not st.was_ready:
                 continue
             # A draining worker still finishes what it holds; only a stopped or silent one has died.
             if st.hb.state == "stopped":

@@ -5,10 +5,20 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from enginetest import TEST_THREADS, make_tiny_model, make_tiny_tokenizer
+import torch
 from transformers import PreTrainedTokenizerFast
 
 from splitserve.engines.hf import HfEngine
+from tests.engines.enginetest import TEST_THREADS, make_tiny_model, make_tiny_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads() -> Iterator[None]:
+    """TEST_THREADS for these tests only: torch's thread count is process-wide, other suites keep theirs."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(TEST_THREADS)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")
@@ -17,13 +27,8 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 @pytest.fixture(scope="session")
-def tiny_engine(tiny_tokenizer: PreTrainedTokenizerFast) -> Iterator[HfEngine]:
-    engine = HfEngine(
-        make_tiny_model(len(tiny_tokenizer)), tiny_tokenizer, name="tiny", num_threads=TEST_THREADS
-    )
-    yield engine
-    for seq_id in engine.active_ids():
-        engine.remove_sequence(seq_id)
+def tiny_engine(tiny_tokenizer: PreTrainedTokenizerFast) -> HfEngine:
+    return HfEngine(make_tiny_model(len(tiny_tokenizer)), tiny_tokenizer, name="tiny")
 
 
 @pytest.fixture()
@@ -31,9 +36,9 @@ def engine(tiny_engine: HfEngine) -> Iterator[HfEngine]:
     """The tiny engine, with the decode batch emptied after each test."""
     yield tiny_engine
     for seq_id in tiny_engine.active_ids():
-        tiny_engine.remove_sequence(seq_id)
+        tiny_engine.remove_sequence(seq_id, keep_kv=False)
 
 
 @pytest.fixture(scope="session")
 def real_engine() -> HfEngine:
-    return HfEngine.load(num_threads=TEST_THREADS)
+    return HfEngine.load()  # thread count: left to _torch_threads

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from enginetest import TEST_THREADS, make_tiny_model
 from transformers import PreTrainedTokenizerFast
 
 import splitserve.engines as engines
@@ -15,6 +14,7 @@ import splitserve.engines.attention as attention
 from splitserve.engines import Sampling, engine_names, load_engine, register_engine
 from splitserve.engines.hf import HfEngine
 from splitserve.engines.model_files import ModelNotFound, bundled_model_path, resolve_model
+from tests.engines.enginetest import TEST_THREADS, make_tiny_model
 
 
 def test_bundled_model_is_found() -> None:
@@ -53,9 +53,7 @@ def test_resolve_model_arguments(tmp_path: Path) -> None:
 def test_load_engine_from_hf_folder(tmp_path: Path, tiny_tokenizer: PreTrainedTokenizerFast) -> None:
     make_tiny_model(len(tiny_tokenizer)).save_pretrained(tmp_path)
     tiny_tokenizer.save_pretrained(tmp_path)
-    engine = load_engine(
-        "hf", model=str(tmp_path), dtype="bfloat16", num_threads=TEST_THREADS, max_model_len=128
-    )
+    engine = load_engine("hf", model=str(tmp_path), dtype="bfloat16", num_threads=TEST_THREADS, max_model_len=128)
     assert isinstance(engine, HfEngine)
     assert engine.info.dtype == "bfloat16" and engine.info.max_model_len == 128
     assert engine.info.name == tmp_path.name and engine.info.eos_token_ids == (2,)
@@ -87,9 +85,7 @@ def test_masked_gqa_kernel_matches_stock_sdpa() -> None:
 def test_padded_decode_skips_the_kv_head_copy(engine: HfEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     stock_calls = []
     original = attention.sdpa_attention_forward
-    monkeypatch.setattr(
-        attention, "sdpa_attention_forward", lambda *a, **k: stock_calls.append(1) or original(*a, **k)
-    )
+    monkeypatch.setattr(attention, "sdpa_attention_forward", lambda *a, **k: stock_calls.append(1) or original(*a, **k))
     assert engine.model.config._attn_implementation == attention.NAME
     for i, prompt in enumerate(["short", "a somewhat longer prompt"]):
         result = engine.prefill(engine.encode(prompt), Sampling())  # unmasked: stock kernel
@@ -97,3 +93,19 @@ def test_padded_decode_skips_the_kv_head_copy(engine: HfEngine, monkeypatch: pyt
     assert len(stock_calls) == 2 * engine.info.num_layers
     engine.step()  # padded batch: masked GQA, direct
     assert len(stock_calls) == 2 * engine.info.num_layers
+
+
+def test_sliding_window_models_are_refused(tiny_tokenizer: PreTrainedTokenizerFast) -> None:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=len(tiny_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=8,
+    )
+    with pytest.raises(ValueError, match="full-attention"):
+        HfEngine(MistralForCausalLM(config), tiny_tokenizer, gqa_sdpa=False)

@@ -42,9 +42,7 @@ def test_top_p_restricts_to_nucleus() -> None:
 
 def test_sampling_follows_the_distribution() -> None:
     probs = torch.tensor([0.6, 0.3, 0.1])
-    picks = [
-        sample(probs.log().unsqueeze(0), [Sampling(temperature=1.0, seed=1)], [p])[0] for p in range(3000)
-    ]
+    picks = [sample(probs.log().unsqueeze(0), [Sampling(temperature=1.0, seed=1)], [p])[0] for p in range(3000)]
     freq = [picks.count(i) / len(picks) for i in range(3)]
     assert freq == pytest.approx([0.6, 0.3, 0.1], abs=0.03)
 

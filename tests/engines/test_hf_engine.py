@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from enginetest import make_tiny_model, roundtrip
 from transformers import PreTrainedTokenizerFast
 
 from splitserve.engines import ContextFull, PromptTooLong, Sampling, load_engine
 from splitserve.engines.hf import HfEngine
+from tests.engines.enginetest import make_tiny_model, roundtrip
 
 GREEDY = Sampling()
 PROMPTS = [
@@ -26,9 +26,7 @@ def reference_greedy(engine: HfEngine, ids: list[int], n: int) -> list[int]:
     return [int(t) for t in out[0, len(ids) :]]
 
 
-def run(
-    engine: HfEngine, ids: list[int], n: int, sampling: Sampling = GREEDY, seq_id: str = "s"
-) -> list[int]:
+def run(engine: HfEngine, ids: list[int], n: int, sampling: Sampling = GREEDY, seq_id: str = "s") -> list[int]:
     """Prefill + (n - 1) decode steps in this engine; the KV goes through bytes in between."""
     result = engine.prefill(ids, sampling)
     engine.add_sequence(seq_id, roundtrip(result.kv), result.first_token, sampling)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from enginetest import TEST_THREADS, kv_from_bytes, roundtrip
 
 from splitserve.engines import PromptTooLong, Sampling
 from splitserve.engines.hf import HfEngine
+from tests.engines.enginetest import TEST_THREADS, kv_from_bytes, roundtrip
 
 pytestmark = pytest.mark.slow
 GREEDY = Sampling()
@@ -23,9 +23,7 @@ def chat(engine: HfEngine, question: str) -> list[int]:
     return engine.apply_chat_template([{"role": "user", "content": question}])
 
 
-def generate(
-    engine: HfEngine, ids: list[int], n: int, sampling: Sampling = GREEDY, seq_id: str = "s"
-) -> list[int]:
+def generate(engine: HfEngine, ids: list[int], n: int, sampling: Sampling = GREEDY, seq_id: str = "s") -> list[int]:
     result = engine.prefill(ids, sampling)
     engine.add_sequence(seq_id, roundtrip(result.kv), result.first_token, sampling)
     tokens = [result.first_token]
@@ -43,11 +41,7 @@ def test_capital_of_france(real_engine: HfEngine) -> None:
 
 @pytest.mark.parametrize("kind", ["chat", "raw"])
 def test_equals_transformers_generate(real_engine: HfEngine, kind: str) -> None:
-    ids = (
-        chat(real_engine, "Name three rivers in Europe.")
-        if kind == "chat"
-        else real_engine.encode(RAW_PROMPT)
-    )
+    ids = chat(real_engine, "Name three rivers in Europe.") if kind == "chat" else real_engine.encode(RAW_PROMPT)
     ours = generate(real_engine, ids, 32)
     reference = real_engine.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=len(ours))
     assert ours == reference[0, len(ids) :].tolist()
@@ -95,9 +89,7 @@ def test_past_kv_reuse_and_on_layer(real_engine: HfEngine) -> None:
     system_and_question = chat(real_engine, "What is the capital of France?")
     prefix = real_engine.prefill(system_and_question[:20], GREEDY).kv
     layers: list[int] = []
-    result = real_engine.prefill(
-        system_and_question, GREEDY, past_kv=prefix, on_layer=lambda i, k, v: layers.append(i)
-    )
+    result = real_engine.prefill(system_and_question, GREEDY, past_kv=prefix, on_layer=lambda i, k, v: layers.append(i))
     assert result.num_computed_tokens == len(system_and_question) - 20
     assert layers == list(range(30))
     full = real_engine.prefill(system_and_question, GREEDY)

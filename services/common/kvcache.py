@@ -1,0 +1,62 @@
+"""The worker side of prefix caching: a worker's :class:`PrefixKvStore` plus the publisher of its KV events.
+
+The store (pure, in ``splitserve.cache.store``) is driven on the engine thread; this module drains its
+events on that same thread and publishes them as sequenced :class:`proto.KvEventBatch` messages on
+``ss.kv.{worker}``, and answers ``ss.kv.{worker}.held`` so an index that saw a gap can resync.
+Batch seq 0 is always an ``AllBlocksCleared``: a restarted worker resets what indexes believe it holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from proto import KvEventBatch, KvHeld, KvHeldRequest, Subjects
+from services.common.engine_thread import EngineThread
+from splitserve.cache.events import AllBlocksCleared
+from splitserve.cache.store import PrefixKvStore
+from splitserve.engines.base import ModelInfo
+from splitserve.runtime.bus import Bus
+
+
+def make_store(info: ModelInfo, *, block_size: int, cache_tokens: int, l1_tokens: int) -> PrefixKvStore | None:
+    if cache_tokens <= 0:
+        return None
+    import torch
+
+    return PrefixKvStore(
+        num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+        dtype=getattr(torch, info.dtype), block_size=block_size,
+        capacity_blocks=max(1, cache_tokens // block_size), l1_capacity_blocks=max(0, l1_tokens // block_size),
+    )
+
+
+class KvEventPublisher:
+    def __init__(self, bus: Bus, worker_id: str, store: PrefixKvStore, thread: EngineThread) -> None:
+        self.bus = bus
+        self.worker_id = worker_id
+        self.store = store
+        self.thread = thread
+        self.seq = 0
+
+    async def start(self) -> None:
+        await self.bus.subscribe(Subjects.kv_held(self.worker_id), KvHeldRequest, self.on_held)
+        await self._publish([AllBlocksCleared().to_dict()])
+
+    async def _publish(self, events: list[dict[str, Any]]) -> None:
+        batch = KvEventBatch.model_validate({"worker_id": self.worker_id, "seq": self.seq, "events": events})
+        self.seq += 1
+        await self.bus.publish(Subjects.kv_events(self.worker_id), batch)
+
+    async def flush(self) -> None:
+        events = await self.thread.run(self.store.drain_events)
+        if events:
+            await self._publish([e.to_dict() for e in events])
+
+    async def on_held(self, _: KvHeldRequest, msg: Msg) -> None:
+        # Drain first so the reported state and seq agree: everything up to seq-1 is included.
+        await self.flush()
+        held = await self.thread.run(self.store.held)
+        await self.bus.respond(msg, KvHeld(worker_id=self.worker_id, seq=self.seq - 1,
+                                           held={k: list(v) for k, v in held.items()}))
