@@ -326,8 +326,9 @@ class PrefixKvStore:
             mlru.move_to_end(h)
         if b > a:
             assert l1 is not None
-            # promote what fits beside this prefix's main-tier blocks; the rest stays in L1 (still a valid
-            # extension of a main-tier chain, so prefix-closure holds)
+            # Promote the L1 part. It always fits beside the main-tier part: every resident chain was once
+            # wholly in the main tier (insert stores at most its capacity), so a run is never longer than
+            # it. The min only guards that; blocks left in L1 would still extend a main-tier chain.
             p = min(b - a, main.capacity - a)
             if p > 0:
                 promoted = hashes[a : a + p]
@@ -338,8 +339,6 @@ class PrefixKvStore:
                 for i in range(p - 1, -1, -1):  # deepest first, as above
                     mlru[promoted[i]] = slots[i]
                 # the run's main-tier part must stay more recent than its newly promoted children
-                for h in reversed(hashes[:a]):
-                    mlru.move_to_end(h)
                 self._promotions += p
                 self._events.append(BlockStored(list(promoted), self._parent[promoted[0]], None, bs, None, GPU))
                 self._events.append(BlockRemoved(list(promoted), CPU))

@@ -1,0 +1,41 @@
+"""``python -m services.frontend``: run one OpenAI-compatible HTTP front door against a NATS deployment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from services.common.cli import LogLevel, NatsUrl
+from splitserve.runtime.service import run_service
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(
+    nats_url: str = NatsUrl,
+    worker_id: str = typer.Option("frontend-0"),
+    host: str = typer.Option("127.0.0.1", help="interface to listen on"),
+    port: int = typer.Option(8000, help="HTTP port (0 = a free one)"),
+    model_name: str | None = typer.Option(None, help="served model name (default: the one the workers announce)"),
+    api_keys: Path | None = typer.Option(None, exists=True, dir_okay=False,
+                                         help="JSON or YAML mapping API key -> tenant; without it there is no "
+                                              "auth and every request is tenant 'default'"),
+    log_level: str = LogLevel,
+) -> None:
+    from services.frontend.app import load_api_keys
+    from services.frontend.service import FrontendService
+
+    keys = None
+    if api_keys is not None:
+        try:
+            keys = load_api_keys(api_keys)
+        except (OSError, ValueError) as exc:
+            raise typer.BadParameter(str(exc), param_hint="--api-keys") from None
+    run_service(FrontendService(worker_id, nats_url, host=host, port=port, model_name=model_name, api_keys=keys,
+                                log_level=log_level))
+
+
+if __name__ == "__main__":
+    app()

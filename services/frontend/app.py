@@ -1,0 +1,438 @@
+"""The HTTP surface of the front door: routes, API-key auth, request ids, SSE relaying and client disconnects.
+
+It holds no state a restart would lose: the only bookkeeping is the set of requests in flight on this
+process (for heartbeats and duplicate ids). Everything that talks to NATS sits behind :class:`Backend`
+(``service.FrontendService`` in production; fakes in the unit tests), and every wire shape comes from
+``openai_api``.
+
+A request's token stream is owned by a :class:`Relay` from the first read to a guaranteed close: whether it
+ends normally, with an error, or because the caller went away, the client's Generation is closed (which
+releases its NATS subscription) and, if the request may still be running server-side, the backend's
+``cancel_request`` hook is called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import anyio
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import MutableHeaders
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from proto import ErrorCode
+from proto.subjects import check_token
+from services.frontend import openai_api as oa
+from splitserve import errors
+from splitserve.client import Delta, Result
+from splitserve.obs.log import get_logger
+
+log = get_logger("frontend.http")
+T = TypeVar("T")
+
+REQUEST_ID_HEADER = "X-Request-Id"
+# Used when no decode worker has announced its context length yet; decoders cap at the real one anyway.
+FALLBACK_MAX_TOKENS = 4096
+
+
+# ---------------------------------------------------------------------------------------------- backend
+
+
+class Stream(Protocol):
+    """What ``splitserve.client.Generation`` offers: ordered deltas, then ``result`` once iteration ends."""
+
+    result: Result | None
+
+    def __aiter__(self) -> AsyncIterator[Delta]: ...
+
+
+class Backend(Protocol):
+    @property
+    def model_name(self) -> str | None:
+        """The served model's name (None until known)."""
+
+    @property
+    def max_model_len(self) -> int | None: ...
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]: ...
+
+    def generate(self, args: oa.GenerateArgs, *, tenant: str, request_id: str) -> Stream:
+        """Start one request (raises a SplitserveError when it cannot even be sent)."""
+
+    async def cancel_request(self, request_id: str) -> None:
+        """The caller is gone before the request ended: stop it server-side."""
+
+
+# ---------------------------------------------------------------------------------------------- api keys
+
+
+def load_api_keys(path: Path) -> dict[str, str]:
+    """API key -> tenant, from a JSON or YAML mapping. Tenants must be valid subject tokens (they name the
+    NATS subjects the request travels on)."""
+    text = path.read_text()
+    data: Any
+    try:
+        data = json.loads(text)
+    except ValueError:
+        import yaml  # only needed for YAML key files
+
+        data = yaml.safe_load(text)
+    if not isinstance(data, dict) or not data:
+        raise ValueError(f"{path}: expected a non-empty mapping of API key -> tenant")
+    keys: dict[str, str] = {}
+    for key, tenant in data.items():
+        if not isinstance(key, str) or not key or not isinstance(tenant, str):
+            raise ValueError(f"{path}: every entry must map a non-empty string key to a tenant name")
+        keys[key] = check_token(tenant, "tenant")
+    return keys
+
+
+class Authenticator:
+    """Bearer-key auth. Keys are held only as SHA-256 digests, so a lookup's timing says nothing useful about
+    how close a guess was."""
+
+    def __init__(self, keys: dict[str, str] | None) -> None:
+        self._by_digest = None if keys is None else {self._digest(k): t for k, t in keys.items()}
+
+    @staticmethod
+    def _digest(key: str) -> bytes:
+        return hashlib.sha256(key.encode()).digest()
+
+    def tenant(self, authorization: str | None) -> str:
+        if self._by_digest is None:
+            return "default"
+        scheme, _, key = (authorization or "").partition(" ")
+        tenant = self._by_digest.get(self._digest(key.strip())) if scheme.lower() == "bearer" else None
+        if tenant is None:
+            raise oa.invalid_api_key()
+        return tenant
+
+
+# ---------------------------------------------------------------------------------------------- request ids
+
+
+def request_id_from(header: str | None) -> str:
+    """The caller's X-Request-Id when it is a valid subject token, else a fresh one."""
+    if header:
+        try:
+            return check_token(header, "request id")
+        except ValueError:
+            pass
+    return uuid.uuid4().hex
+
+
+class RequestIdMiddleware:
+    """Pure ASGI (streaming-safe): picks the request id, echoes it on every response, logs one access line."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        raw = dict(scope.get("headers") or []).get(REQUEST_ID_HEADER.lower().encode())
+        rid = request_id_from(raw.decode("latin-1") if raw else None)
+        scope.setdefault("state", {})["request_id"] = rid
+        status = 0
+        t0 = time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = rid
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            log.info("http", method=scope.get("method"), path=scope.get("path"), status=status or None,
+                     request_id=rid, ms=round((time.perf_counter() - t0) * 1000, 1))
+
+
+# ---------------------------------------------------------------------------------------------- relaying
+
+
+class ClientGone(Exception):
+    """The HTTP caller disconnected before there was anything to send."""
+
+
+async def until_disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def or_disconnect(fn: Callable[[], Awaitable[T]], receive: Receive) -> T:
+    """Await ``fn()`` unless the caller disconnects first (then ``fn`` is cancelled and ClientGone raised).
+    Without this a caller that gives up while waiting for the first token would hold the request open."""
+    box: list[T] = []
+    failure: list[Exception] = []
+    gone = False
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            nonlocal gone
+            await until_disconnected(receive)
+            gone = True
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            box.append(await fn())
+        except Exception as exc:  # re-raised below, outside the task group, so it is not wrapped in a group
+            failure.append(exc)
+        tg.cancel_scope.cancel()
+    if failure:
+        raise failure[0]
+    if not box:
+        assert gone
+        raise ClientGone
+    return box[0]
+
+
+class Relay:
+    """One request's token stream, owned from the first read to a guaranteed close."""
+
+    def __init__(self, stream: Stream, *, request_id: str, cancel: Callable[[str], Awaitable[None]],
+                 on_closed: Callable[[str], object]) -> None:
+        self.stream = stream
+        self.request_id = request_id
+        self._it = aiter(stream)
+        self._cancel = cancel
+        self._on_closed = on_closed
+        self.finished = False  # the server side is known to be over (final result, or an error it sent)
+        self._closed = False
+
+    @property
+    def result(self) -> Result:
+        assert self.stream.result is not None
+        return self.stream.result
+
+    async def next(self) -> Delta | None:
+        """The next delta, or None at the end (then ``result`` is set)."""
+        try:
+            return await anext(self._it)
+        except StopAsyncIteration:
+            self.finished = True
+            return None
+        except errors.SplitserveError as exc:
+            # A timeout is the one error this side raises on its own while the request may still be running.
+            self.finished = exc.code is not ErrorCode.TIMEOUT
+            raise
+
+    async def drain(self) -> Result:
+        while await self.next() is not None:
+            pass
+        return self.result
+
+    async def close(self) -> None:
+        """Idempotent. Shielded: it runs when the request is being cancelled, and must still finish, or the
+        subscription and the server-side request would leak."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            aclose = getattr(self._it, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()  # runs the Generation's finally: unsubscribes its stream subject
+                except Exception as exc:
+                    log.warning("relay_close_failed", request_id=self.request_id, error=str(exc))
+            if not self.finished:
+                try:
+                    await self._cancel(self.request_id)
+                except Exception as exc:
+                    log.warning("cancel_failed", request_id=self.request_id, error=str(exc))
+        self._on_closed(self.request_id)
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+DONE = sse("[DONE]")
+
+
+class EventStreamResponse(Response):
+    """Server-sent events relayed from a :class:`Relay`, which this response closes whatever happens. It
+    watches for the caller's disconnect itself (any ASGI server, any spec version) and stops at once."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, relay: Relay, responder: oa.Responder, first: Delta | None) -> None:
+        self.relay = relay
+        self.responder = responder
+        self.first = first
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        r = self.responder
+        opening = r.first_chunk()
+        if opening is not None:
+            yield sse(opening)
+        delta = self.first
+        while delta is not None:
+            if delta.text:  # a delta can be empty while the detokenizer holds back a partial character
+                yield sse(r.text_chunk(delta.text))
+            try:
+                delta = await self.relay.next()
+            except errors.SplitserveError as exc:
+                # Headers are gone: the error travels as an event (the openai client raises APIError on it).
+                yield sse(oa.api_error_from(exc, kind=r.kind).body())
+                yield DONE
+                return
+        yield sse(r.finish_chunk(self.relay.result))
+        if r.include_usage:
+            yield sse(r.usage_chunk(self.relay.result))
+        yield DONE
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async for chunk in self._events():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except Exception as exc:  # a bug mid-stream: tell the caller in-band rather than cutting the stream
+            log.exception("stream_failed", request_id=self.relay.request_id, error=str(exc))
+            err = oa.ApiError(500, f"internal error while streaming: {exc}", type="server_error", code="internal")
+            await send({"type": "http.response.body", "body": sse(err.body()) + DONE, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def watch() -> None:
+                    await until_disconnected(receive)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch)
+                with contextlib.suppress(OSError):  # the connection broke under a send: a disconnect too
+                    await self._pump(send)
+                tg.cancel_scope.cancel()
+        finally:
+            await self.relay.close()
+
+
+# ---------------------------------------------------------------------------------------------- the app
+
+
+def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> FastAPI:
+    app = FastAPI(title="splitserve OpenAI-compatible API", docs_url="/docs", redoc_url=None)
+    auth = Authenticator(api_keys)
+    inflight: dict[str, str] = {}  # request id -> tenant, on this process only
+    app.state.inflight = inflight
+    started = int(time.time())
+    app.add_middleware(RequestIdMiddleware)
+
+    @app.exception_handler(oa.ApiError)
+    async def _api_error(_: Request, exc: oa.ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = oa.api_error_from_validation(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        msg = (f"Unknown request URL: {request.method} {request.url.path}" if exc.status_code == 404
+               else str(exc.detail))
+        err = oa.ApiError(exc.status_code, msg, code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    def tenant_of(request: Request) -> str:
+        return auth.tenant(request.headers.get("authorization"))
+
+    def served_model(requested: str | None) -> str:
+        name = backend.model_name
+        if requested and name and requested != name:
+            raise oa.model_not_found(requested)
+        return name or requested or "unknown"
+
+    async def serve(request: Request, args: oa.GenerateArgs, *, tenant: str, model: str) -> Response:
+        rid: str = request.state.request_id
+        if rid in inflight:
+            raise oa.ApiError(409, f"request id {rid} is already in flight", param=REQUEST_ID_HEADER,
+                              code="duplicate_request_id")
+        responder = oa.Responder(kind=args.kind, request_id=rid, model=model, created=int(time.time()),
+                                 include_usage=args.include_usage)
+        try:
+            stream = backend.generate(args, tenant=tenant, request_id=rid)
+        except errors.SplitserveError as exc:
+            raise oa.api_error_from(exc, kind=args.kind) from None
+        inflight[rid] = tenant
+        relay = Relay(stream, request_id=rid, cancel=backend.cancel_request,
+                      on_closed=lambda r: inflight.pop(r, None))
+        handed_over = False
+        try:
+            if args.stream:
+                # Wait for the first token before sending headers, so that everything the router rejects
+                # up front (too long, no workers, quota) still gets its own HTTP status.
+                first = await or_disconnect(relay.next, request.receive)
+                handed_over = True
+                return EventStreamResponse(relay, responder, first)
+            result = await or_disconnect(relay.drain, request.receive)
+            return JSONResponse(responder.response(result))
+        except errors.SplitserveError as exc:
+            raise oa.api_error_from(exc, kind=args.kind) from None
+        except ClientGone:
+            return Response(status_code=499)  # nobody is listening; the status is only for the access log
+        except Exception as exc:
+            log.exception("request_failed", request_id=rid, error=str(exc))
+            raise oa.ApiError(500, f"internal error: {exc}", type="server_error", code="internal") from None
+        finally:
+            if not handed_over:
+                await relay.close()
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: oa.ChatCompletionRequest, request: Request,
+                               tenant: str = Depends(tenant_of)) -> Response:
+        model = served_model(body.model)
+        args = oa.chat_args(body, default_max_tokens=backend.max_model_len or FALLBACK_MAX_TOKENS)
+        return await serve(request, args, tenant=tenant, model=model)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: oa.CompletionRequest, request: Request,
+                          tenant: str = Depends(tenant_of)) -> Response:
+        model = served_model(body.model)
+        return await serve(request, oa.completion_args(body), tenant=tenant, model=model)
+
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": started, "owned_by": "splitserve"}
+
+    @app.get("/v1/models")
+    async def models(_: str = Depends(tenant_of)) -> dict[str, Any]:
+        name = backend.model_name
+        return {"object": "list", "data": [model_card(name)] if name else []}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, _: str = Depends(tenant_of)) -> dict[str, Any]:
+        if model_id != backend.model_name:
+            raise oa.model_not_found(model_id)
+        return model_card(model_id)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", response_model=None)
+    async def readyz() -> JSONResponse:
+        ready, detail = backend.readiness()
+        return JSONResponse({"status": "ready" if ready else "not_ready", **detail},
+                            status_code=200 if ready else 503)
+
+    return app

@@ -1,0 +1,164 @@
+"""The front-door process: one NATS connection (shared by the service lifecycle and the request client),
+the worker registry behind ``/readyz``, and the embedded uvicorn server.
+
+It is a :class:`splitserve.runtime.service.Service` like every other process, so ``splitserve up`` sees its
+heartbeats (role ``frontend``), waits for it to be ready (= listening), restarts it if it dies, and stops it
+with SIGTERM (which drains in-flight HTTP requests for a bounded time). It keeps no state a restart loses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+from nats.aio.msg import Msg
+
+from proto import Heartbeat, Subjects, WorkerLoad
+from services.frontend import openai_api as oa
+from services.frontend.app import Stream, create_app
+from splitserve import errors
+from splitserve.client import Client
+from splitserve.runtime.registry import WorkerRegistry
+from splitserve.runtime.service import Service
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn inside a Service: signals belong to ``run_service`` (which drains the whole service), not to
+    uvicorn, which would otherwise replace the service's handlers with its own."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class FrontendService(Service):
+    role = "frontend"
+
+    def __init__(
+        self,
+        worker_id: str,
+        nats_url: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        model_name: str | None = None,
+        api_keys: dict[str, str] | None = None,
+        graceful_s: int = 5,
+        accept_timeout_s: float = 30.0,
+        idle_timeout_s: float = 120.0,
+        **kw: Any,
+    ) -> None:
+        super().__init__(worker_id, nats_url, **kw)
+        self.host = host
+        self.port = port
+        self._model_name = model_name
+        self.api_keys = api_keys
+        self.graceful_s = graceful_s
+        self.accept_timeout_s = accept_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.registry = WorkerRegistry()
+        self.app = create_app(self, api_keys=api_keys)
+        self.url = ""
+        self.cancel_requests: list[str] = []  # what cancel_request was asked for (until the lead wires it)
+        self._server: _EmbeddedServer | None = None
+        self._serve_task: asyncio.Task[None] | None = None
+        self._client: Client | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+    async def setup(self) -> None:
+        self._client = Client(self.nats_url, bus=self.b, accept_timeout=self.accept_timeout_s,
+                              idle_timeout=self.idle_timeout_s)
+
+    async def start(self) -> None:
+        await self.b.subscribe(Subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
+        # Bind here rather than in uvicorn: a taken port is then an exception with a clear message (uvicorn
+        # would sys.exit), and port 0 tells us the real port before we announce ready.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"cannot listen on {self.host}:{self.port}: {exc.strerror}") from None
+        sock.listen(2048)
+        self.port = int(sock.getsockname()[1])
+        self.url = f"http://{self.host}:{self.port}"
+        cfg = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
+                             timeout_graceful_shutdown=self.graceful_s, timeout_keep_alive=30)
+        self._server = _EmbeddedServer(cfg)
+        self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._serve_task.done():
+                self._serve_task.result()
+                raise RuntimeError("the HTTP server stopped during startup")
+            await asyncio.sleep(0.02)
+        self.log.info("http_listening", url=self.url, openai_base_url=f"{self.url}/v1",
+                      auth="api-keys" if self.api_keys else "none")
+
+    async def shutdown(self) -> None:
+        if self._server is None or self._serve_task is None:
+            return
+        # Stop accepting, let in-flight requests finish (uvicorn cancels them after graceful_s).
+        self._server.should_exit = True
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(self._serve_task, timeout=self.graceful_s + 5)
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(active_seqs=len(self.app.state.inflight))
+
+    def active_requests(self) -> list[str]:
+        return list(self.app.state.inflight)
+
+    async def on_heartbeat(self, hb: Heartbeat, _: Msg) -> None:
+        self.registry.observe(hb, time.monotonic())
+
+    # --- Backend (what the HTTP layer calls) --------------------------------------------------------
+    @property
+    def model_name(self) -> str | None:
+        if self._model_name:
+            return self._model_name
+        # Learned from the workers: decoders name the model they serve; the router names its tokenizer's.
+        now = time.monotonic()
+        for role in ("decode", "router"):
+            for hb in self.registry.live(role, now):
+                if hb.model:
+                    return hb.model
+        return None
+
+    @property
+    def max_model_len(self) -> int | None:
+        lens = [hb.max_model_len for hb in self.registry.live("decode", time.monotonic()) if hb.max_model_len]
+        return min(lens) if lens else None
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        now = time.monotonic()
+        routers = sorted(hb.worker_id for hb in self.registry.live("router", now))
+        decoders = sorted(hb.worker_id for hb in self.registry.live("decode", now))
+        prefillers = sorted(hb.worker_id for hb in self.registry.live("prefill", now))
+        connected = self.bus is not None and self.bus.nc.is_connected
+        missing = [what for what, ok in (("nats", connected), ("router", routers), ("decode", decoders)) if not ok]
+        return not missing, {"nats_connected": connected, "routers": routers, "decoders": decoders,
+                             "prefillers": prefillers, "model": self.model_name, "missing": missing}
+
+    def generate(self, args: oa.GenerateArgs, *, tenant: str, request_id: str) -> Stream:
+        if self._client is None or self.bus is None or not self.bus.nc.is_connected:
+            # While NATS reconnects a request would only wait out the accept timeout: say so at once.
+            raise errors.Unavailable("the front door is not connected to NATS (reconnecting); retry shortly",
+                                     request_id=request_id)
+        return self._client.generate(args.prompt, request_id=request_id, tenant=tenant, **args.client_kwargs())
+
+    async def cancel_request(self, request_id: str) -> None:
+        """Hook: the HTTP caller went away before its request ended.
+
+        The front door has already stopped relaying and released the request's stream subscription. Stopping
+        the work server-side needs the cancel message (a later issue); wire it here, e.g. publish a cancel
+        for ``request_id`` on the router's cancel subject. Until then the request runs to its end unread.
+        """
+        self.cancel_requests.append(request_id)
+        del self.cancel_requests[:-100]  # bounded: it is only for tests and debugging
+        self.log.info("cancel_request", request_id=request_id, wired=False)
