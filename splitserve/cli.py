@@ -44,6 +44,10 @@ def up(
     nats_port: int = typer.Option(4222, "--nats-port", help="port for the embedded nats-server (free one if taken)"),
     state_dir: Path | None = typer.Option(None, "--state-dir", help="logs and NATS data (default ~/.splitserve/stack)"),
     threads: int | None = typer.Option(None, "--threads", help="torch threads per worker"),
+    cache_tokens: int = typer.Option(8192, "--cache-tokens", help="prefix KV cache per worker, tokens (0 = off)"),
+    l1_tokens: int = typer.Option(0, "--l1-tokens", help="CPU L1 prefix-cache tier per worker, tokens (0 = off)"),
+    http_port: int = typer.Option(8000, "--http-port", help="OpenAI-compatible HTTP API port (0 = a free one; "
+                                  "a free one if taken)"),
     log_level: str = typer.Option("INFO", "--log-level"),
 ) -> None:
     """Start NATS and every service; Ctrl-C stops them all."""
@@ -52,12 +56,14 @@ def up(
     cfg = StackConfig(prefill=prefill, decode=decode, engine=engine, model=model, dtype=dtype,
                       disagg_threshold=disagg_threshold, strategy=strategy, transport=transport, nats_url=nats_url,
                       nats_port=nats_port, state_dir=state_dir or discovery.home() / "stack", threads=threads,
-                      log_level=log_level)
+                      cache_tokens=cache_tokens, l1_tokens=l1_tokens,
+                      http_port=http_port, log_level=log_level)
     typer.echo(f"splitserve: starting {prefill} prefill + {decode} decode worker(s), engine {engine}, "
                f"transport {transport}, strategy {strategy} (logs in {cfg.state_dir / 'logs'})")
 
     def ready(stack: Stack) -> None:
         typer.echo(f"\nsplitserve is up. NATS: {stack.nats_url}\n"
+                   f"  OpenAI API: {stack.http_url}/v1\n"
                    f"  try:  splitserve generate --chat \"What is the capital of France?\"\n"
                    f"  stop: Ctrl-C")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from proto import Heartbeat, Subjects
 from splitserve import discovery
-from splitserve.natsserver import NatsServer, child_preexec, start_nats
+from splitserve.natsserver import NatsServer, child_preexec, free_port, start_nats
 from splitserve.runtime.bus import Bus
 
 
@@ -41,6 +41,9 @@ class StackConfig:
     state_dir: Path = field(default_factory=lambda: discovery.home() / "stack")
     ready_timeout_s: float = 600.0
     threads: int | None = None
+    cache_tokens: int = 8192
+    l1_tokens: int = 0
+    http_port: int = 8000  # the OpenAI-compatible front door; 0 (or taken) = a free port
     log_level: str = "INFO"
 
 
@@ -63,6 +66,7 @@ class Stack:
         self.echo = echo
         self.nats: NatsServer | None = None
         self.nats_url = cfg.nats_url or ""
+        self.http_url = ""
         self.children: list[Child] = []
         self.stopping = asyncio.Event()
         self.logs = cfg.state_dir / "logs"
@@ -76,7 +80,7 @@ class Stack:
             eng += ["--model", c.model]
         # Workers share the machine's cores: oversubscribed torch threads make every step far slower.
         threads = c.threads or max(1, (os.cpu_count() or 1) // max(1, c.prefill + c.decode))
-        eng += ["--threads", str(threads)]
+        eng += ["--threads", str(threads), "--cache-tokens", str(c.cache_tokens), "--l1-tokens", str(c.l1_tokens)]
         out = [Child("router-0", "router", py + ["services.router", "--worker-id", "router-0", "--strategy",
                                                  c.strategy, "--disagg-threshold", str(c.disagg_threshold),
                                                  *(["--model", c.model] if c.model else []), *common],
@@ -91,6 +95,12 @@ class Stack:
             name = f"decode-{i}"
             out.append(Child(name, "decode", py + ["services.decode", "--worker-id", name, *eng, *common],
                              self.logs / f"{name}.log"))
+        # The port is fixed here, once: a restarted front door comes back at the URL already printed.
+        port = free_port(c.http_port or None)
+        self.http_url = f"http://127.0.0.1:{port}"
+        out.append(Child("frontend-0", "frontend", py + ["services.frontend", "--worker-id", "frontend-0",
+                                                        "--port", str(port), *common],
+                         self.logs / "frontend-0.log"))
         return out
 
     def _spawn(self, ch: Child) -> None:

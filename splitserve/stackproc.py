@@ -22,6 +22,7 @@ class StackProc:
     nats_url: str
     state_dir: Path
     output: list[str] = field(default_factory=list)
+    http_url: str | None = None  # the OpenAI-compatible front door, e.g. http://127.0.0.1:8000 (no /v1)
 
     def logs(self, name: str) -> str:
         try:
@@ -43,7 +44,9 @@ class StackProc:
 def start_stack(state_dir: Path, *args: str, timeout: float = 420.0) -> StackProc:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     exe = str(Path(sys.executable).parent / "splitserve")
-    proc = subprocess.Popen([exe, "up", "--nats-port", "0", "--state-dir", str(state_dir), *args],
+    # Free ports by default (tests run beside a developer's own stack); a later --http-port in args wins.
+    proc = subprocess.Popen([exe, "up", "--nats-port", "0", "--http-port", "0", "--state-dir", str(state_dir),
+                             *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue[str | None] = queue.Queue()
 
@@ -57,6 +60,8 @@ def start_stack(state_dir: Path, *args: str, timeout: float = 420.0) -> StackPro
     threading.Thread(target=pump, daemon=True, name="stack-stdout").start()
     seen: list[str] = []
     url = None
+    http_url = None
+    up = False
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -69,7 +74,12 @@ def start_stack(state_dir: Path, *args: str, timeout: float = 420.0) -> StackPro
         m = re.search(r"NATS: (nats://\S+)", line)
         if m:
             url = m.group(1)
-        if "splitserve is up" in line and url:
-            return StackProc(proc, url, state_dir, seen)
+        m = re.search(r"OpenAI API: (http://\S+?)(?:/v1)?$", line)
+        if m:
+            http_url = m.group(1)
+        up = up or bool("splitserve is up" in line and url)
+        # The API line follows the "up" line; the block always ends with "stop:".
+        if up and url and (http_url or "stop:" in line):
+            return StackProc(proc, url, state_dir, seen, http_url=http_url)
     proc.kill()
     raise RuntimeError("splitserve up did not come up:\n" + "\n".join(seen))

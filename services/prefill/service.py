@@ -155,6 +155,7 @@ class PrefillService(Service):
         req = KvReserveRequest(request_id=job.request_id, prefill_worker=self.worker_id,
                                num_tokens=len(job.prompt_token_ids), transport=self.opts.transport)
         give_up = time.monotonic() + self.reserve_wait_s
+        waited = False
         while True:
             try:
                 reply = await self.b.request(Subjects.kv_reserve(job.decoder_id), req, KvReserveReply, timeout=5.0)
@@ -175,6 +176,9 @@ class PrefillService(Service):
                                 f"{self.reserve_wait_s:.0f}s")
             if job.deadline_ms is not None and now_ms() > job.deadline_ms:
                 raise JobFailed(ErrorCode.EXPIRED, "the request's deadline passed while waiting for KV space")
+            if not waited:
+                self.log.info("kv_buffer_full_waiting", request_id=job.request_id, decoder=job.decoder_id)
+                waited = True
             await asyncio.sleep(reply.retry_after_ms / 1000.0)
 
     async def _run(self, job: DecodeJob) -> None:

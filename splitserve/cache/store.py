@@ -339,6 +339,8 @@ class PrefixKvStore:
                 for i in range(p - 1, -1, -1):  # deepest first, as above
                     mlru[promoted[i]] = slots[i]
                 # the run's main-tier part must stay more recent than its newly promoted children
+                for h in reversed(hashes[:a]):
+                    mlru.move_to_end(h)
                 self._promotions += p
                 self._events.append(BlockStored(list(promoted), self._parent[promoted[0]], None, bs, None, GPU))
                 self._events.append(BlockRemoved(list(promoted), CPU))

@@ -17,10 +17,9 @@ MODEL = "tiny-model"
 
 def make_result(text: str, *, request_id: str = "r", finish: str = "stop", prompt_tokens: int = 7,
                 completion_tokens: int | None = None, cached: int = 3) -> Result:
-    return Result(request_id=request_id, text=text, token_ids=[1] * (completion_tokens or len(text.split())),
-                  finish_reason=finish,
-                  usage=proto.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens or len(text.split()),
-                                    cached_tokens=cached),
+    n = completion_tokens or len(text.split())
+    return Result(request_id=request_id, text=text, token_ids=[1] * n, finish_reason=finish,
+                  usage=proto.Usage(prompt_tokens=prompt_tokens, completion_tokens=n, cached_tokens=cached),
                   route="direct", prefill_worker=None, decode_worker="decode-0", ttft_ms=12.5, total_ms=40.0,
                   timings=proto.Timings(queue_ms=1.0), decision={})
 
