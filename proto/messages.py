@@ -333,6 +333,7 @@ class WorkerLoad(BaseModel):
     reserved_blocks: int = 0  # blocks leased to incoming KV transfers
     used_blocks: int = 0  # blocks holding active sequences' KV
     cached_blocks: int = 0  # prefix-cache blocks resident (all tiers)
+    prefill_tokens_per_s: float | None = None  # measured local prefill speed (feeds the router's stall rule)
 
 
 class Heartbeat(Message):

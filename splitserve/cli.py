@@ -46,6 +46,13 @@ def up(
     threads: int | None = typer.Option(None, "--threads", help="torch threads per worker"),
     cache_tokens: int = typer.Option(8192, "--cache-tokens", help="prefix KV cache per worker, tokens (0 = off)"),
     l1_tokens: int = typer.Option(0, "--l1-tokens", help="CPU L1 prefix-cache tier per worker, tokens (0 = off)"),
+    prefill_cpus: str | None = typer.Option(None, "--prefill-cpus", help="cores of the prefill pool, e.g. '0' or "
+                                            "'0-3' (default: first half)"),
+    decode_cpus: str | None = typer.Option(None, "--decode-cpus", help="cores of the decode pool (default: the rest)"),
+    colocated: bool = typer.Option(False, "--colocated", help="no prefill pool: every prompt prefilled on the "
+                                   "decoders, on all cores (the baseline disaggregation is measured against)"),
+    max_stall_ms: float = typer.Option(250.0, "--max-stall-ms", help="longest pause a direct prefill may impose "
+                                       "on a decoder's active streams before the prompt goes to a prefiller"),
     http_port: int = typer.Option(8000, "--http-port", help="OpenAI-compatible HTTP API port (0 = a free one; "
                                   "a free one if taken)"),
     log_level: str = typer.Option("INFO", "--log-level"),
@@ -53,10 +60,14 @@ def up(
     """Start NATS and every service; Ctrl-C stops them all."""
     from splitserve.stack import Stack, StackConfig, run_stack
 
+    if colocated:
+        prefill = 0
+
     cfg = StackConfig(prefill=prefill, decode=decode, engine=engine, model=model, dtype=dtype,
                       disagg_threshold=disagg_threshold, strategy=strategy, transport=transport, nats_url=nats_url,
                       nats_port=nats_port, state_dir=state_dir or discovery.home() / "stack", threads=threads,
-                      cache_tokens=cache_tokens, l1_tokens=l1_tokens,
+                      cache_tokens=cache_tokens, l1_tokens=l1_tokens, prefill_cpus=prefill_cpus,
+                      decode_cpus=decode_cpus, colocated=colocated, max_stall_ms=max_stall_ms,
                       http_port=http_port, log_level=log_level)
     typer.echo(f"splitserve: starting {prefill} prefill + {decode} decode worker(s), engine {engine}, "
                f"transport {transport}, strategy {strategy} (logs in {cfg.state_dir / 'logs'})")

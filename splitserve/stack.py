@@ -43,6 +43,10 @@ class StackConfig:
     threads: int | None = None
     cache_tokens: int = 8192
     l1_tokens: int = 0
+    prefill_cpus: str | None = None  # e.g. "0" or "0-3"; default: the first half of the cores
+    decode_cpus: str | None = None  # default: the other half (all cores when there are no prefillers)
+    colocated: bool = False  # no prefill pool: every prompt is prefilled on the decoders (for comparison)
+    max_stall_ms: float = 250.0
     http_port: int = 8000  # the OpenAI-compatible front door; 0 (or taken) = a free port
     log_level: str = "INFO"
 
@@ -78,22 +82,35 @@ class Stack:
         eng = ["--engine", c.engine, "--dtype", c.dtype, "--transport", c.transport]
         if c.model:
             eng += ["--model", c.model]
-        # Workers share the machine's cores: oversubscribed torch threads make every step far slower.
-        threads = c.threads or max(1, (os.cpu_count() or 1) // max(1, c.prefill + c.decode))
-        eng += ["--threads", str(threads), "--cache-tokens", str(c.cache_tokens), "--l1-tokens", str(c.l1_tokens)]
+        out_eng = {"prefill": list(eng), "decode": list(eng)}
+        pools = self._cpu_pools()
+        for role in ("prefill", "decode"):
+            n = c.prefill if role == "prefill" else c.decode
+            cores = pools.get(role)
+            threads = c.threads or (max(1, len(cores) // max(1, n)) if cores else
+                                    max(1, (os.cpu_count() or 1) // max(1, c.prefill + c.decode)))
+            out_eng[role] += ["--threads", str(threads), "--cache-tokens", str(c.cache_tokens),
+                              "--l1-tokens", str(c.l1_tokens)]
+            if cores:
+                out_eng[role] += ["--cpus", ",".join(map(str, cores))]
+        # Colocated: there is nowhere else to send a prompt, so no stall limit (decoders chunk instead).
+        router_extra = ["--max-stall-ms", "0" if c.colocated else str(c.max_stall_ms)]
         out = [Child("router-0", "router", py + ["services.router", "--worker-id", "router-0", "--strategy",
-                                                 c.strategy, "--disagg-threshold", str(c.disagg_threshold),
+                                                 c.strategy, "--disagg-threshold",
+                                                 str(10**9 if c.colocated else c.disagg_threshold), *router_extra,
                                                  *(["--model", c.model] if c.model else []), *common],
                      self.logs / "router-0.log"),
                Child("cache-index-0", "cache_index", py + ["services.cache_index", "--worker-id", "cache-index-0",
                                                            *common], self.logs / "cache-index-0.log")]
         for i in range(c.prefill):
             name = f"prefill-{i}"
-            out.append(Child(name, "prefill", py + ["services.prefill", "--worker-id", name, *eng, *common],
+            out.append(Child(name, "prefill", py + ["services.prefill", "--worker-id", name, *out_eng["prefill"],
+                                                    *common],
                              self.logs / f"{name}.log"))
         for i in range(c.decode):
             name = f"decode-{i}"
-            out.append(Child(name, "decode", py + ["services.decode", "--worker-id", name, *eng, *common],
+            out.append(Child(name, "decode", py + ["services.decode", "--worker-id", name, *out_eng["decode"],
+                                                   *common],
                              self.logs / f"{name}.log"))
         # The port is fixed here, once: a restarted front door comes back at the URL already printed.
         port = free_port(c.http_port or None)
@@ -102,6 +119,25 @@ class Stack:
                                                         "--port", str(port), *common],
                          self.logs / "frontend-0.log"))
         return out
+
+    def _cpu_pools(self) -> dict[str, list[int]]:
+        """Disjoint core sets for the prefill and decode pools (the CPU analogue of separate GPU pools)."""
+        from services.common.options import parse_cpus
+
+        c = self.cfg
+        avail = sorted(os.sched_getaffinity(0))
+        pools: dict[str, list[int]] = {}
+        if c.prefill_cpus:
+            pools["prefill"] = list(parse_cpus(c.prefill_cpus) or ())
+        if c.decode_cpus:
+            pools["decode"] = list(parse_cpus(c.decode_cpus) or ())
+        if c.prefill == 0 or c.colocated:
+            pools.setdefault("decode", avail)
+        elif len(avail) >= 2:
+            half = len(avail) // 2
+            pools.setdefault("prefill", [x for x in avail[:half] if x not in pools.get("decode", [])] or avail[:half])
+            pools.setdefault("decode", [x for x in avail[half:] if x not in pools["prefill"]] or avail[half:])
+        return pools
 
     def _spawn(self, ch: Child) -> None:
         ch.log.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from services.common import cli
-from services.common.options import EngineOptions
+from services.common.options import EngineOptions, parse_cpus
 from splitserve.runtime.service import run_service
 
 app = typer.Typer(add_completion=False)
@@ -21,18 +21,21 @@ def main(
     threads: int | None = cli.Threads,
     block_size: int = cli.BlockSize,
     transport: str = cli.Transport,
+    cpus: str | None = cli.Cpus,
     landing_tokens: int = typer.Option(16384, help="KV landing buffer size in tokens"),
     max_batch: int = typer.Option(16, help="most sequences decoded together"),
     cache_tokens: int = typer.Option(8192, help="prefix-cache capacity in tokens (0 = off)"),
     l1_tokens: int = typer.Option(0, help="CPU L1 prefix-cache tier capacity in tokens (0 = off)"),
+    prefill_chunk: int = typer.Option(256, help="local prefill chunk (tokens) while other streams are active"),
     log_level: str = cli.LogLevel,
 ) -> None:
     from services.decode.service import DecodeService
 
     opts = EngineOptions(engine=engine, model=model, dtype=dtype, threads=threads, block_size=block_size,
-                         transport=transport)
+                         transport=transport, cpus=parse_cpus(cpus))
     run_service(DecodeService(worker_id, nats_url, opts=opts, landing_tokens=landing_tokens,
-                              max_batch=max_batch, cache_tokens=cache_tokens, l1_tokens=l1_tokens, log_level=log_level))
+                              max_batch=max_batch, cache_tokens=cache_tokens, l1_tokens=l1_tokens,
+                              prefill_chunk=prefill_chunk, log_level=log_level))
 
 
 if __name__ == "__main__":

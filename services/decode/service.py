@@ -95,10 +95,13 @@ class DecodeService(Service):
         lease_s: float = 30.0,
         cache_tokens: int = 8192,
         l1_tokens: int = 0,
+        prefill_chunk: int = 256,
         **kw: Any,
     ) -> None:
         super().__init__(worker_id, nats_url, **kw)
         self.opts = opts
+        self.prefill_chunk = prefill_chunk
+        self.prefill_tps: float | None = None  # EMA of local prefill speed, reported in heartbeats
         self.cache_tokens = cache_tokens
         self.l1_tokens = l1_tokens
         self.store: PrefixKvStore | None = None
@@ -156,6 +159,7 @@ class DecodeService(Service):
             used_blocks=sum(len(s.job.prompt_token_ids) + len(s.generated) for s in self.active.values())
             // max(1, self.opts.block_size),
             cached_blocks=sum(self.store.stats().blocks.values()) if self.store is not None else 0,
+            prefill_tokens_per_s=self.prefill_tps,
         )
 
     def active_requests(self) -> list[str]:
@@ -265,7 +269,7 @@ class DecodeService(Service):
             if kv is None:
                 t0 = time.perf_counter()
                 try:
-                    res = await self.thread.run(self._prefill_cached, job.prompt_token_ids, sampling)
+                    res = await self._local_prefill(job.prompt_token_ids, sampling)
                 except PromptTooLong as exc:
                     await self._error(job, ErrorCode.PROMPT_TOO_LONG, str(exc))
                     return
@@ -287,13 +291,31 @@ class DecodeService(Service):
         self.active[job.request_id] = seq
         await self._emit(seq, first)
 
-    def _prefill_cached(self, ids: list[int], sampling: Sampling) -> PrefillResult:
-        """Engine thread: prefill only what the prefix cache does not hold."""
-        past = None
+    async def _local_prefill(self, ids: list[int], sampling: Sampling) -> PrefillResult:
+        """Prefill on this decoder, reusing the longest cached prefix. While other streams are active, a
+        long prompt is computed in chunks with one decode step between chunks, so no stream waits more
+        than one chunk (the router's stall rule sends prompts that would stall too long to a prefiller)."""
+        past, cached = None, 0
         if self.store is not None:
-            m = self.store.match(ids)
-            past = m.kv if m.num_tokens else None
-        return self.engine.prefill(ids, sampling, past_kv=past)
+            m = await self.thread.run(self.store.match, ids)
+            if m.num_tokens:
+                past, cached = m.kv, m.num_tokens
+        pos, compute_s = cached, 0.0
+        while True:
+            chunked = bool(self.active) and self.prefill_chunk > 0
+            end = min(len(ids), pos + self.prefill_chunk) if chunked else len(ids)
+            t0 = time.perf_counter()
+            res = await self.thread.run(self.engine.prefill, ids[:end], sampling, past_kv=past)
+            compute_s += time.perf_counter() - t0
+            if end >= len(ids):
+                break
+            past, pos = res.kv, end
+            await self._step()
+        computed = len(ids) - cached
+        if computed >= 64 and compute_s > 0:  # tiny prompts say more about overhead than speed
+            rate = computed / compute_s
+            self.prefill_tps = rate if self.prefill_tps is None else 0.7 * self.prefill_tps + 0.3 * rate
+        return PrefillResult(first_token=res.first_token, kv=res.kv, num_computed_tokens=computed)
 
     def _retire(self, request_id: str, tokens: list[int], keep: bool) -> None:
         """Engine thread: drop a sequence, keeping its KV as reusable prefix blocks when it ended well."""

@@ -26,6 +26,7 @@ import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -41,6 +42,9 @@ log = get_logger("frontend.http")
 T = TypeVar("T")
 
 REQUEST_ID_HEADER = "X-Request-Id"
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+# Far above any prompt NATS can carry (max_payload 8 MiB): only stops a body from filling this process's memory.
+MAX_BODY_BYTES = 32 * 1024 * 1024
 # Used when no decode worker has announced its context length yet; decoders cap at the real one anyway.
 FALLBACK_MAX_TOKENS = 4096
 
@@ -157,8 +161,10 @@ class RequestIdMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            log.info("http", method=scope.get("method"), path=scope.get("path"), status=status or None,
-                     request_id=rid, ms=round((time.perf_counter() - t0) * 1000, 1))
+            # Probes come every second or so: keep them out of the info log.
+            emit = log.debug if scope.get("path") in PROBE_PATHS else log.info
+            emit("http", method=scope.get("method"), path=scope.get("path"), status=status or None, request_id=rid,
+                 ms=round((time.perf_counter() - t0) * 1000, 1))
 
 
 # ---------------------------------------------------------------------------------------------- relaying
@@ -329,6 +335,31 @@ class EventStreamResponse(Response):
 
 # ---------------------------------------------------------------------------------------------- the app
 
+R = TypeVar("R", bound=BaseModel)
+
+
+async def parse_body(request: Request, model: type[R]) -> R:
+    """The body as JSON whatever its Content-Type says (``curl -d`` sends a form type; OpenAI accepts it),
+    validated into ``model``; every failure is a 400 naming the offending field."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise oa.ApiError(413, f"request body over {MAX_BODY_BYTES // (1024 * 1024)} MiB", code="payload_too_large")
+        chunks.append(chunk)
+    try:
+        data = json.loads(b"".join(chunks))
+    except ValueError:
+        raise oa.ApiError(400, "We could not parse the JSON body of your request: it is not valid JSON.") from None
+    if not isinstance(data, dict):
+        raise oa.ApiError(400, "The request body must be a JSON object.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise oa.api_error_from_validation(exc) from None
+
+
 
 def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> FastAPI:
     app = FastAPI(title="splitserve OpenAI-compatible API", docs_url="/docs", redoc_url=None)
@@ -353,6 +384,14 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
                else str(exc.detail))
         err = oa.ApiError(exc.status_code, msg, code="not_found" if exc.status_code == 404 else None)
         return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        # Runs outside the middleware stack (Starlette's last resort), so the request id is added here.
+        rid = getattr(request.state, "request_id", "")
+        log.error("unhandled_error", request_id=rid, error=repr(exc))
+        err = oa.ApiError(500, "internal server error", type="server_error", code="internal")
+        return JSONResponse(err.body(), status_code=500, headers={REQUEST_ID_HEADER: rid} if rid else None)
 
     def tenant_of(request: Request) -> str:
         return auth.tenant(request.headers.get("authorization"))
@@ -399,15 +438,15 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
                 await relay.close()
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: oa.ChatCompletionRequest, request: Request,
-                               tenant: str = Depends(tenant_of)) -> Response:
+    async def chat_completions(request: Request, tenant: str = Depends(tenant_of)) -> Response:
+        body = await parse_body(request, oa.ChatCompletionRequest)
         model = served_model(body.model)
         args = oa.chat_args(body, default_max_tokens=backend.max_model_len or FALLBACK_MAX_TOKENS)
         return await serve(request, args, tenant=tenant, model=model)
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: oa.CompletionRequest, request: Request,
-                          tenant: str = Depends(tenant_of)) -> Response:
+    async def completions(request: Request, tenant: str = Depends(tenant_of)) -> Response:
+        body = await parse_body(request, oa.CompletionRequest)
         model = served_model(body.model)
         return await serve(request, oa.completion_args(body), tenant=tenant, model=model)
 

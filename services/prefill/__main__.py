@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from services.common import cli
-from services.common.options import EngineOptions
+from services.common.options import EngineOptions, parse_cpus
 from splitserve.runtime.service import run_service
 
 app = typer.Typer(add_completion=False)
@@ -21,16 +21,18 @@ def main(
     threads: int | None = cli.Threads,
     block_size: int = cli.BlockSize,
     transport: str = cli.Transport,
+    cpus: str | None = cli.Cpus,
     cache_tokens: int = typer.Option(8192, help="prefix-cache capacity in tokens (0 = off)"),
     l1_tokens: int = typer.Option(0, help="CPU L1 prefix-cache tier capacity in tokens (0 = off)"),
+    layerwise: bool = typer.Option(True, help="push each layer's KV as soon as it is computed"),
     log_level: str = cli.LogLevel,
 ) -> None:
     from services.prefill.service import PrefillService
 
     opts = EngineOptions(engine=engine, model=model, dtype=dtype, threads=threads, block_size=block_size,
-                         transport=transport)
+                         transport=transport, cpus=parse_cpus(cpus))
     run_service(PrefillService(worker_id, nats_url, opts=opts, cache_tokens=cache_tokens, l1_tokens=l1_tokens,
-                               log_level=log_level))
+                               layerwise=layerwise, log_level=log_level))
 
 
 if __name__ == "__main__":

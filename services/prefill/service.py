@@ -9,6 +9,7 @@ the first token to the decoder. KV bytes never travel over NATS.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from typing import Any
@@ -36,7 +37,7 @@ from services.common.engine_thread import EngineThread
 from services.common.kvcache import KvEventPublisher, make_store
 from services.common.options import EngineOptions
 from splitserve.cache.store import PrefixKvStore
-from splitserve.engines import PrefillResult, PromptTooLong, Sampling
+from splitserve.engines import LayerHook, PrefillResult, PromptTooLong, Sampling
 from splitserve.kv import BlockPool, KvLayout, make_sender
 from splitserve.obs import tracing
 from splitserve.runtime.service import Service
@@ -61,10 +62,12 @@ class PrefillService(Service):
         reserve_wait_s: float = 60.0,
         cache_tokens: int = 8192,
         l1_tokens: int = 0,
+        layerwise: bool = True,
         **kw: Any,
     ) -> None:
         super().__init__(worker_id, nats_url, **kw)
         self.opts = opts
+        self.layerwise = layerwise
         self.cache_tokens = cache_tokens
         self.l1_tokens = l1_tokens
         self.store: PrefixKvStore | None = None
@@ -190,35 +193,63 @@ class PrefillService(Service):
             raise JobFailed(ErrorCode.PROMPT_TOO_LONG,
                             f"prompt has {len(ids):,} tokens; model max is {self.engine.info.max_model_len - 1:,}")
         reservation = await self._reserve(job)
+        assert reservation.transfer_id is not None and reservation.descriptor is not None
+        tid, desc = reservation.transfer_id, reservation.descriptor
         sampling = Sampling(temperature=job.sampling.temperature, top_p=job.sampling.top_p, seed=job.sampling.seed)
-        t0 = time.perf_counter()
-        try:
-            res = await self.thread.run(self._prefill_cached, ids, sampling)
-        except PromptTooLong as exc:
-            raise JobFailed(ErrorCode.PROMPT_TOO_LONG, str(exc)) from None
-        prefill_ms = (time.perf_counter() - t0) * 1000
         src = self.pool.try_allocate(self.layout.blocks_for_tokens(len(ids)))
         if src is None:
             raise JobFailed(ErrorCode.INTERNAL, "prefill staging buffer exhausted")
+        loop = asyncio.get_running_loop()
+        pushes: list[Any] = []
+        last_layer = self.layout.num_layers - 1
+
+        def push_layer(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            # Engine thread, right after this layer's KV is final: stage it and start its push while the
+            # next layers compute. The last layer's push carries the completion notification.
+            self.pool.scatter_layer(layer, k, v, src)
+            coro = self.sender.push(tid, src, desc, layers=range(layer, layer + 1), notify=layer == last_layer)
+            pushes.append(asyncio.run_coroutine_threadsafe(coro, loop))
+
         try:
-            await self.thread.run(self.pool.scatter, res.kv, src)
-            assert reservation.transfer_id is not None and reservation.descriptor is not None
-            with tracing.tracer().start_as_current_span("kv.push") as sp:
+            with tracing.tracer().start_as_current_span("prefill.compute") as csp:
+                t0 = time.perf_counter()
                 try:
-                    stats = await self.sender.push(reservation.transfer_id, src, reservation.descriptor)
+                    res = await self.thread.run(self._prefill_cached, ids, sampling,
+                                                push_layer if self.layerwise else None)
+                except PromptTooLong as exc:
+                    raise JobFailed(ErrorCode.PROMPT_TOO_LONG, str(exc)) from None
+                prefill_ms = (time.perf_counter() - t0) * 1000
+                csp.set_attribute("prefill.tokens", len(ids))
+                csp.set_attribute("prefill.cached_tokens", len(ids) - res.num_computed_tokens)
+            with tracing.tracer().start_as_current_span("kv.push") as sp:
+                t1 = time.perf_counter()
+                try:
+                    if self.layerwise:
+                        parts = await asyncio.gather(*[asyncio.wrap_future(f) for f in pushes])
+                        nbytes, transport = sum(p.bytes for p in parts), parts[-1].transport
+                    else:
+                        await self.thread.run(self.pool.scatter, res.kv, src)
+                        st = await self.sender.push(tid, src, desc)
+                        nbytes, transport = st.bytes, st.transport
                 except Exception as exc:
                     raise JobFailed(ErrorCode.KV_TRANSFER_FAILED,
                                     f"KV push to decode worker {job.decoder_id} failed: {exc}") from None
-                sp.set_attribute("kv.bytes", stats.bytes)
-                sp.set_attribute("kv.transport", stats.transport)
-                sp.set_attribute("kv.seconds", stats.seconds)
+                # What the transfer adds to TTFT: with layer-by-layer push, only what was left after compute.
+                transfer_ms = (time.perf_counter() - t1) * 1000
+                sp.set_attribute("kv.bytes", nbytes)
+                sp.set_attribute("kv.transport", transport)
+                sp.set_attribute("kv.layerwise", self.layerwise)
+                sp.set_attribute("kv.exposed_ms", transfer_ms)
         finally:
+            for f in pushes:  # a failed prefill must not leave pushes writing into freed staging blocks
+                with contextlib.suppress(Exception):
+                    await asyncio.wrap_future(f)
             self.pool.free(src)
         done = PrefillDone(
             request_id=job.request_id, first_token=res.first_token,
             kv=KvHandle(transfer_id=reservation.transfer_id, num_tokens=len(ids),
-                        cached_tokens=len(ids) - res.num_computed_tokens, kv_bytes=stats.bytes,
-                        transport=stats.transport, prefill_ms=prefill_ms, transfer_ms=stats.seconds * 1000,
+                        cached_tokens=len(ids) - res.num_computed_tokens, kv_bytes=nbytes,
+                        transport=transport, prefill_ms=prefill_ms, transfer_ms=transfer_ms,
                         started_ms=started_ms),
             decode=job,
         )
@@ -226,15 +257,16 @@ class PrefillService(Service):
         if self.kv_events is not None:
             await self.kv_events.flush()
         self.log.info("prefilled", request_id=job.request_id, tokens=len(ids), prefill_ms=round(prefill_ms, 1),
-                      kv_bytes=stats.bytes, transfer_ms=round(stats.seconds * 1000, 2), decoder=job.decoder_id)
+                      kv_bytes=nbytes, transfer_ms=round(transfer_ms, 2), layerwise=self.layerwise,
+                      decoder=job.decoder_id)
 
-    def _prefill_cached(self, ids: list[int], sampling: Sampling) -> PrefillResult:
+    def _prefill_cached(self, ids: list[int], sampling: Sampling, on_layer: LayerHook | None) -> PrefillResult:
         """Engine thread: reuse the longest cached prefix, prefill the rest, keep the result for next time."""
         past = None
         if self.store is not None:
             m = self.store.match(ids)
             past = m.kv if m.num_tokens else None
-        res = self.engine.prefill(ids, sampling, past_kv=past)
+        res = self.engine.prefill(ids, sampling, past_kv=past, on_layer=on_layer)
         if self.store is not None:
             self.store.insert(ids, res.kv)
         return res

@@ -17,12 +17,17 @@ def main(
     strategy: str = typer.Option("roundrobin"),
     disagg_threshold: int = typer.Option(512, help="uncached prompt tokens at or above which to use a prefiller"),
     no_worker_wait_s: float = typer.Option(5.0),
+    max_stall_ms: float = typer.Option(250.0, help="most a direct prefill may pause a decoder's active streams "
+                                       "(<= 0: no limit)"),
+    decoder_prefill_tps: float = typer.Option(800.0, help="assumed decoder prefill speed until it reports one"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     from services.router.service import RouterService
 
     run_service(RouterService(worker_id, nats_url, model=model, strategy=strategy,
                               disagg_threshold=disagg_threshold, no_worker_wait_s=no_worker_wait_s,
+                              max_stall_ms=max_stall_ms if max_stall_ms > 0 else None,
+                              decoder_prefill_tps=decoder_prefill_tps,
                               log_level=log_level))
 
 

@@ -35,7 +35,7 @@ from proto import (
 from splitserve.cache import events as cache_events
 from splitserve.cache.index import PrefixIndex
 from splitserve.obs import tracing
-from splitserve.routing import NoWorkers, Router, RoutingRequest, WorkerView
+from splitserve.routing import DisaggPolicy, NoWorkers, Router, RoutingRequest, WorkerView
 from splitserve.runtime.bus import PayloadTooLarge
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
@@ -65,12 +65,17 @@ class RouterService(Service):
         disagg_threshold: int = 512,
         no_worker_wait_s: float = 5.0,
         max_inflight: int = 1024,
+        max_stall_ms: float | None = 250.0,
+        decoder_prefill_tps: float = 800.0,
         **kw: object,
     ) -> None:
         super().__init__(worker_id, nats_url, **kw)  # type: ignore[arg-type]
         self.model = model
         self.strategy_name = strategy
         self.disagg_threshold = disagg_threshold
+        # Direct prefill on a decoder pauses its other streams: above this pause, use a prefiller instead.
+        self.disagg = DisaggPolicy(min_uncached_tokens=disagg_threshold, max_stall_ms=max_stall_ms,
+                                   decoder_prefill_tokens_per_s=decoder_prefill_tps)
         self.no_worker_wait_s = no_worker_wait_s
         self.max_inflight = max_inflight
         self.registry = WorkerRegistry()
@@ -84,7 +89,7 @@ class RouterService(Service):
         # The router always keeps an in-process replica of the cache index, fed by the workers' own KV
         # events: kvaware routes on it, and every strategy's disaggregation rule counts *uncached* tokens.
         self.index = PrefixIndex()
-        self.policy = Router(strategy=self.strategy_name, disagg_threshold=self.disagg_threshold, index=self.index)
+        self.policy = Router(strategy=self.strategy_name, disagg=self.disagg, index=self.index)
 
     async def start(self) -> None:
         b = self.b
@@ -246,5 +251,5 @@ class RouterService(Service):
             worker_id=hb.worker_id, role=hb.role, live=True,
             active_seqs=hb.load.active_seqs, queued_prefill_tokens=hb.load.queued_prefill_tokens,
             free_blocks=hb.load.free_blocks, total_blocks=hb.load.total_blocks,
-            used_blocks=hb.load.used_blocks,
+            used_blocks=hb.load.used_blocks, prefill_tokens_per_s=hb.load.prefill_tokens_per_s,
         )

@@ -118,6 +118,26 @@ class BlockPool:
         if rest:
             self.tensor[:, block_ids[full], :, :, :rest, :] = kv[:, :, :, full * bs :, :]
 
+    def scatter_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Write one layer's ``[H, T, D]`` keys and values into the blocks (layer-by-layer push: each
+        layer is staged as soon as it is computed, while later layers still compute)."""
+        lay = self.layout
+        num_tokens = k.shape[1]
+        if len(block_ids) != lay.blocks_for_tokens(num_tokens):
+            raise ValueError(
+                f"{num_tokens} tokens need {lay.blocks_for_tokens(num_tokens)} blocks, got {len(block_ids)}"
+            )
+        bs = lay.block_size
+        full = num_tokens // bs
+        kv = torch.stack((k, v))  # [2, H, T, D]
+        if full:
+            src = kv[:, :, : full * bs, :].reshape(2, lay.num_kv_heads, full, bs, lay.head_dim)
+            idx = torch.tensor(block_ids[:full], dtype=torch.long)
+            self.tensor[layer].index_copy_(0, idx, src.permute(2, 0, 1, 3, 4))
+        rest = num_tokens - full * bs
+        if rest:
+            self.tensor[layer, block_ids[full], :, :, :rest, :] = kv[:, :, full * bs :, :]
+
     def gather(self, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
         """Read ``num_tokens`` of KV out of ``block_ids`` as a fresh ``[L, 2, H, T, D]`` tensor."""
         lay = self.layout

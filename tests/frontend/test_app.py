@@ -304,3 +304,32 @@ async def test_duplicate_request_id_in_flight_is_409(backend: FakeBackend) -> No
     assert r.status_code == 409
     call.gone.set()
     await asyncio.wait_for(task, 5)
+
+
+async def test_bugs_are_openai_shaped_500s_with_the_request_id(backend: FakeBackend) -> None:
+    def broken(_: object) -> None:
+        raise RuntimeError("kaboom")
+
+    backend.on_generate = broken
+    backend.readiness = lambda: 1 / 0  # type: ignore[assignment,method-assign,return-value]
+    app = create_app(backend)
+    transport = httpx2.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx2.AsyncClient(transport=transport, base_url="http://t") as c:
+        r = await c.post("/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "b1"})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert r.headers["x-request-id"] == "b1" and "kaboom" in r.json()["error"]["message"]
+        r = await c.get("/readyz", headers={"X-Request-Id": "b2"})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal" and r.headers["x-request-id"] == "b2"
+    assert app.state.inflight == {}
+
+
+async def test_oversized_and_non_object_bodies(http: httpx2.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    r = await http.post("/v1/completions", content=b"[1, 2]")
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+    # curl -d sends application/x-www-form-urlencoded: still read as JSON
+    r = await http.post("/v1/completions", content=b'{"prompt": "x"}',
+                        headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200
+    monkeypatch.setattr("services.frontend.app.MAX_BODY_BYTES", 100)
+    r = await http.post("/v1/completions", json={"prompt": "x" * 200})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"

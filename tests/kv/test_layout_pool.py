@@ -173,3 +173,19 @@ async def test_completion_board_wakes_waiters_from_other_threads() -> None:
     await asyncio.sleep(0.01)
     await asyncio.to_thread(board.landed, "t", True, 1)
     await asyncio.wait_for(waiter, 1)
+
+
+def test_scatter_layer_matches_whole_scatter() -> None:
+    import torch
+
+    from splitserve.kv import BlockPool, KvLayout
+
+    lay = KvLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=4)
+    kv = torch.randn(lay.kv_shape(10))
+    a, b = BlockPool(lay, 8), BlockPool(lay, 8)
+    blocks = [5, 1, 6]
+    a.scatter(kv, blocks)
+    for layer in range(3):
+        b.scatter_layer(layer, kv[layer, 0], kv[layer, 1], blocks)
+    assert torch.equal(a.gather(blocks, 10), kv)
+    assert torch.equal(b.gather(blocks, 10), kv)

@@ -1,0 +1,185 @@
+"""End to end through the OpenAI-compatible front door of a real ``splitserve up`` (real model, every service
+its own process), with the official ``openai`` client where a client would use it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import nats
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+import proto
+from splitserve.natsserver import free_port
+from splitserve.stackproc import StackProc, start_stack
+from tests.procs import spawn_service, stop
+
+pytestmark = pytest.mark.slow
+
+PARIS: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackProc]:
+    sp = start_stack(Path(tmp_path_factory.mktemp("stack")), "--http-port", "0")
+    try:
+        assert sp.http_url, sp.output
+        yield sp
+    finally:
+        rc = sp.stop()
+        assert rc == 0, sp.output
+
+
+@pytest.fixture(scope="module")
+def client(stack: StackProc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    ids = [m.id for m in client.models.list()]
+    assert len(ids) == 1
+    return ids[0]
+
+
+def test_stack_prints_the_api_url_and_is_ready(stack: StackProc) -> None:
+    assert any(line.strip().startswith(f"OpenAI API: {stack.http_url}/v1") for line in stack.output)
+    r = httpx2.get(f"{stack.http_url}/readyz")
+    assert r.status_code == 200, r.text
+    assert r.json()["routers"] == ["router-0"] and r.json()["decoders"] == ["decode-0"]
+    assert httpx2.get(f"{stack.http_url}/healthz").json() == {"status": "ok"}
+
+
+def test_chat_non_streaming_answers_paris(client: openai.OpenAI, model: str) -> None:
+    res = client.chat.completions.create(model=model, messages=PARIS, max_tokens=16, temperature=0)
+    assert "Paris" in (res.choices[0].message.content or "")
+    assert res.choices[0].finish_reason in ("stop", "length") and res.model == model
+    u = res.usage
+    assert u is not None and u.prompt_tokens > 0 and 0 < u.completion_tokens <= 16
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details is not None and isinstance(u.prompt_tokens_details.cached_tokens, int)
+    extras: dict[str, Any] = res.to_dict()["splitserve"]  # type: ignore[assignment]
+    assert extras["decode_worker"] == "decode-0" and extras["route"] in ("direct", "disaggregated")
+    assert extras["ttft_ms"] > 0
+
+
+def test_chat_streaming_answers_paris_with_usage(client: openai.OpenAI, model: str) -> None:
+    stream = client.chat.completions.create(model=model, messages=PARIS, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    text, usage, finish, roles = "", None, None, []
+    for chunk in stream:
+        if chunk.choices:
+            d = chunk.choices[0].delta
+            roles += [d.role] if d.role else []
+            text += d.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        elif chunk.usage is not None:
+            usage = chunk.usage
+    assert "Paris" in text and roles == ["assistant"] and finish in ("stop", "length")
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert isinstance(usage.prompt_tokens_details.cached_tokens, int)
+
+
+def test_completions_streaming(client: openai.OpenAI, model: str) -> None:
+    stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=4, temperature=0,
+                                       stream=True)
+    chunks = list(stream)
+    assert chunks and all(c.object == "text_completion" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in chunks).strip()
+
+
+def test_error_statuses(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=model, messages=PARIS, n=2)
+    assert bad.value.status_code == 400 and "n=1" in bad.value.message
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.chat.completions.create(model="gpt-4o", messages=PARIS)
+    assert nf.value.status_code == 404
+    with pytest.raises(openai.APIStatusError) as big:
+        client.completions.create(model=model, prompt="hello " * 9000, max_tokens=2)
+    assert big.value.status_code == 413
+    assert isinstance(big.value.body, dict) and big.value.body["code"] == "context_length_exceeded"
+    assert "tokens" in big.value.message
+
+
+def test_request_id_is_used_and_echoed(stack: StackProc, model: str) -> None:
+    r = httpx2.post(f"{stack.http_url}/v1/completions", headers={"X-Request-Id": "e2e-req-1"},
+                    json={"model": model, "prompt": "Hello", "max_tokens": 2}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"] == "e2e-req-1" and r.json()["id"] == "cmpl-e2e-req-1"
+    assert r.json()["splitserve"]["request_id"] == "e2e-req-1"
+    r = httpx2.get(f"{stack.http_url}/v1/models", headers={"X-Request-Id": "not valid!"})
+    assert r.headers["x-request-id"] and r.headers["x-request-id"] != "not valid!"
+
+
+async def _frontend_heartbeat(url: str) -> proto.Heartbeat:
+    nc = await nats.connect(url)
+    try:
+        sub = await nc.subscribe(proto.Subjects.heartbeat("frontend", "frontend-0"))
+        msg = await sub.next_msg(timeout=5)
+        return proto.decode(msg.data, proto.Heartbeat)
+    finally:
+        await nc.close()
+
+
+def test_disconnect_mid_stream_leaves_the_server_healthy(stack: StackProc, model: str) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+            "max_tokens": 400, "stream": True}
+    assert stack.http_url
+    with httpx2.Client(base_url=stack.http_url, timeout=120) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body, headers={"X-Request-Id": "e2e-drop"}) as r:
+            assert r.status_code == 200
+            n = 0
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    n += 1
+                    if n == 3:
+                        break
+        # The connection is closed mid-stream: the front door stops relaying and releases the request.
+        deadline = time.monotonic() + 30
+        while True:
+            hb = asyncio.run(_frontend_heartbeat(stack.nats_url))
+            if "e2e-drop" not in hb.active_requests:
+                break
+            assert time.monotonic() < deadline, hb.active_requests
+            time.sleep(0.5)
+        assert '"cancel_request"' in stack.logs("frontend-0") and "e2e-drop" in stack.logs("frontend-0")
+        assert http.get("/readyz").status_code == 200
+        r2 = http.post("/v1/chat/completions", json={"model": model, "messages": PARIS, "max_tokens": 2})
+        assert r2.status_code == 200, r2.text
+
+
+def test_api_keys_401_and_tenant(stack: StackProc, model: str, tmp_path: Path) -> None:
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"sk-test-1": "acme"}))
+    port = free_port()
+    p = spawn_service("services.frontend", "--api-keys", str(keys), "--port", str(port), nats_url=stack.nats_url,
+                      worker_id="frontend-keys", log_dir=tmp_path / "logs")
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx2.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx2.TransportError:
+                pass
+            assert time.monotonic() < deadline and p.poll() is None, (tmp_path / "logs").glob("*")
+            time.sleep(0.3)
+        bad = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as ei:
+            bad.chat.completions.create(model=model, messages=PARIS, max_tokens=2)
+        assert ei.value.status_code == 401
+        good = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test-1", max_retries=0, timeout=120)
+        res = good.chat.completions.create(model=model, messages=PARIS, max_tokens=2)
+        assert res.usage is not None and res.usage.completion_tokens >= 1
+    finally:
+        stop(p)
