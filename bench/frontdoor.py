@@ -11,7 +11,8 @@ requests alternate the order of the two paths every iteration so that drift on a
 alike; concurrent rounds send M requests at once down one path, then M down the other. Every prompt is
 unique, so neither path gets a prefix-cache hit the other did not. The last column splits the added TTFT:
 "HTTP only" is the HTTP TTFT minus the front door's own NATS-measured TTFT of the same request (reported
-in the stream's ``splitserve.ttft_ms``), i.e. the HTTP/SSE hop alone.
+in the stream's ``splitserve.ttft_ms``), i.e. the HTTP/SSE hop alone; GET /healthz gives the floor of any
+HTTP round trip on the same machine under the same load.
 
     python -m bench.frontdoor [--n 40] [--m 8] [--rounds 3] [--max-tokens 8] [--nats-url U --http-url H] [--json]
 """
@@ -90,6 +91,12 @@ async def run(nats_url: str, http_url: str, n: int, m: int, rounds: int, max_tok
         for i in range(3):
             await via_nats(c, prompt("warm-n", i), max_tokens)
             await via_http(http, prompt("warm-h", i), max_tokens)
+        # The floor of any HTTP round trip on this machine under the same load: GET /healthz (no NATS).
+        floor: list[float] = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            (await http.get("/healthz")).raise_for_status()
+            floor.append((time.perf_counter() - t0) * 1000)
         seq_n, seq_h = Series("nats"), Series("http")
         for i in range(n):
             order = [("n", seq_n), ("h", seq_h)] if i % 2 == 0 else [("h", seq_h), ("n", seq_n)]
@@ -114,7 +121,7 @@ async def run(nats_url: str, http_url: str, n: int, m: int, rounds: int, max_tok
             out["http_hop_ttft_ms"] = summary(hop)
         return out
 
-    return {"n": n, "m": m, "rounds": rounds, "max_tokens": max_tokens,
+    return {"n": n, "m": m, "rounds": rounds, "max_tokens": max_tokens, "healthz_ms": summary(floor),
             "sequential": {"nats": stats(seq_n), "http": stats(seq_h)},
             "concurrent": {"nats": stats(con_n), "http": stats(con_h)}}
 
@@ -135,6 +142,8 @@ def report(res: dict[str, Any]) -> None:
                 hop = http_.get("http_hop_ttft_ms", {}).get(q) if metric == "ttft_ms" else None
                 label = f"{mode} {'TTFT' if metric == 'ttft_ms' else 'total'} {q}"
                 print(f"{label:<28}{fmt(a):>14}{fmt(b):>17}{_delta(a, b):>13}{fmt(hop):>13}")
+    h = res["healthz_ms"]
+    print(f"HTTP floor (GET /healthz, same machine and load): p50 {fmt(h['p50'])}  p99 {fmt(h['p99'])}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -263,6 +263,12 @@ class Relay:
         self._on_closed(self.request_id)
 
 
+def internal_error(request_id: str) -> oa.ApiError:
+    # Exception text stays in our log (found by request id); it can name internals a caller should not see.
+    return oa.ApiError(500, f"internal server error (request {request_id}; details in the front door's log)",
+                       type="server_error", code="internal")
+
+
 def sse(obj: dict[str, Any] | str) -> bytes:
     data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
     return f"data: {data}\n\n".encode()
@@ -313,7 +319,7 @@ class EventStreamResponse(Response):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except Exception as exc:  # a bug mid-stream: tell the caller in-band rather than cutting the stream
             log.exception("stream_failed", request_id=self.relay.request_id, error=str(exc))
-            err = oa.ApiError(500, f"internal error while streaming: {exc}", type="server_error", code="internal")
+            err = internal_error(self.relay.request_id)
             await send({"type": "http.response.body", "body": sse(err.body()) + DONE, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -390,7 +396,7 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
         # Runs outside the middleware stack (Starlette's last resort), so the request id is added here.
         rid = getattr(request.state, "request_id", "")
         log.error("unhandled_error", request_id=rid, error=repr(exc))
-        err = oa.ApiError(500, "internal server error", type="server_error", code="internal")
+        err = internal_error(rid)
         return JSONResponse(err.body(), status_code=500, headers={REQUEST_ID_HEADER: rid} if rid else None)
 
     def tenant_of(request: Request) -> str:
@@ -432,7 +438,7 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
             return Response(status_code=499)  # nobody is listening; the status is only for the access log
         except Exception as exc:
             log.exception("request_failed", request_id=rid, error=str(exc))
-            raise oa.ApiError(500, f"internal error: {exc}", type="server_error", code="internal") from None
+            raise internal_error(rid) from None
         finally:
             if not handed_over:
                 await relay.close()

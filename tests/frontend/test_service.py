@@ -192,3 +192,17 @@ async def test_no_router_is_503_at_once(nats_server: NatsServer) -> None:
         r = await http.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert "no router" in r.json()["error"]["message"]
+
+
+async def test_connections_have_nagle_off(nats_server: NatsServer) -> None:
+    # With Nagle on, each small SSE write after the first waits for the client's delayed ACK (~40 ms).
+    import socket
+
+    async with frontend(nats_server.url) as svc, httpx2.AsyncClient(base_url=svc.url) as http:
+        assert (await http.get("/healthz")).status_code == 200  # the keep-alive connection stays open
+        assert svc._server is not None
+        conns = list(svc._server.server_state.connections)
+        assert conns
+        for conn in conns:
+            sock = conn.transport.get_extra_info("socket")  # type: ignore[attr-defined]
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0

