@@ -48,6 +48,7 @@ __all__ = [
     "RequestFinished",
     "Route",
     "SamplingParams",
+    "SpanBatch",
     "StreamDelta",
     "StreamError",
     "StreamFinal",
@@ -415,3 +416,15 @@ class CacheQuery(Message):
 class CacheQueryReply(Message):
     kind: Literal["cache_query_reply"] = "cache_query_reply"
     matched_blocks: dict[str, int]  # worker id -> leading blocks held
+
+
+class SpanBatch(Message):
+    """Finished trace spans of one process (the embedded exporter; kept in the SS_TRACES stream).
+
+    Each span is a plain record: trace_id, span_id, parent_id, name, service, worker_id, start_ns, end_ns,
+    status, status_message, attributes, events (see ``splitserve.obs.tracing.span_to_record``)."""
+
+    kind: Literal["span_batch"] = "span_batch"
+    service: str
+    worker_id: str
+    spans: list[dict[str, Any]]

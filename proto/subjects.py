@@ -13,6 +13,7 @@ Layout (``ss`` is the product prefix; ``{tenant}`` and ``{worker}`` are single t
   ss.kv.{worker}.held             index -> worker, request/reply: KvHeldRequest -> KvHeld (resync after a gap)
   ss.evt.finished.{tenant}        decoder/prefiller/router: RequestFinished (accounting, in-flight tracking)
   ss.cache.query                  router -> cache index, request/reply: CacheQuery -> CacheQueryReply
+  ss.trace.spans.{service}        every process: SpanBatch (finished trace spans; kept in stream SS_TRACES)
 
 Per-tenant tokens in the request and stream subjects are what lets NATS permissions isolate tenants.
 """
@@ -83,3 +84,9 @@ class Subjects:
 
     FINISHED_ALL = "ss.evt.finished.*"
     CACHE_QUERY = "ss.cache.query"
+
+    @staticmethod
+    def trace_spans(service: str) -> str:
+        return f"ss.trace.spans.{check_token(service, 'service')}"
+
+    TRACE_SPANS_ALL = "ss.trace.spans.>"

@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 import proto
 from proto import (
@@ -82,6 +84,9 @@ class Generation:
         self.result: Result | None = None
         self.accepted: Accepted | None = None
         self._started = False
+        # The caller's trace context where generate() was called (its own span, or the HTTP front door's
+        # incoming traceparent): client.generate continues it instead of starting a new trace.
+        self._parent_ctx = otel_context.get_current()
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         if self._started:
@@ -96,9 +101,13 @@ class Generation:
         sub = await bus.nc.subscribe(req.stream_subject)
         t0 = time.perf_counter()
         ttft: float | None = None
+        # Not a *current* span across the yields below (a context attached in one step of an async
+        # generator cannot be detached in another): made current only around the publish that carries it.
+        span = tracing.tracer().start_span("client.generate", context=self._parent_ctx, attributes={
+            "request_id": req.request_id, "tenant": req.tenant, "route.requested": req.route,
+            "max_tokens": req.sampling.max_tokens})
         try:
-            with tracing.tracer().start_as_current_span("client.generate", attributes={
-                "request_id": req.request_id, "tenant": req.tenant}):
+            with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
                 try:
                     reply = await bus.request(proto.Subjects.request(req.tenant), req, Accepted,
                                               timeout=c.accept_timeout)
@@ -137,6 +146,7 @@ class Generation:
                     if isinstance(item, StreamDelta):
                         if ttft is None:
                             ttft = (time.perf_counter() - t0) * 1000
+                            span.set_attribute("ttft_ms", round(ttft, 2))
                         yield Delta(request_id=item.request_id, seq=item.seq, text=item.text,
                                     token_ids=list(item.token_ids))
                     elif isinstance(item, StreamFinal):
@@ -147,8 +157,19 @@ class Generation:
                             ttft_ms=ttft, total_ms=(time.perf_counter() - t0) * 1000, timings=item.timings,
                             decision=item.decision,
                         )
+                        tracing.set_attrs(span, route=item.route.value, finish_reason=item.finish_reason,
+                                          completion_tokens=item.usage.completion_tokens,
+                                          cached_tokens=item.usage.cached_tokens,
+                                          prefill_worker=item.prefill_worker, decode_worker=item.decode_worker)
                         return
+        except BaseException as exc:
+            if not isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
+                tracing.record_error(span, exc)
+                if isinstance(exc, errors.SplitserveError):
+                    span.set_attribute("error.code", str(exc.code))
+            raise
         finally:
+            span.end()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
@@ -193,10 +214,13 @@ class Client:
                                           password=self.password, reconnect=True)
         except Exception as exc:
             raise errors.Unavailable(f"cannot connect to NATS at {self.nats_url}: {exc}") from None
+        tracing.setup_tracing("client", f"client-{uuid.uuid4().hex[:8]}", self._bus)
         return self
 
     async def close(self) -> None:
         if self._bus is not None and self._owns_bus:
+            with contextlib.suppress(Exception):  # this process's spans leave on this connection
+                await tracing.flush_tracing(2.0)
             await self._bus.close()
         self._bus = None
 

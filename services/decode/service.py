@@ -16,8 +16,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 import torch
 from nats.aio.msg import Msg
+from opentelemetry import trace
 
 from proto import (
     DecodeJob,
@@ -79,6 +81,7 @@ class Sequence:
     cached_tokens: int = 0
     timings: Timings = field(default_factory=Timings)
     started: float = field(default_factory=time.perf_counter)
+    token_times: list[float] = field(default_factory=list)  # perf_counter per emitted token (ITL summary)
 
 
 class DecodeService(Service):
@@ -114,6 +117,9 @@ class DecodeService(Service):
         self.reservations: dict[str, Reservation] = {}
         self._wake = asyncio.Event()
         self.thread = EngineThread(f"decode-{worker_id}")
+        # One decode.stream span per admitted sequence, open until it finishes or fails: decode jobs arrive
+        # as NATS messages, so the trace context is kept per sequence, not in a task's context.
+        self.stream_spans: dict[str, trace.Span] = {}
 
     # --- lifecycle ------------------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -264,8 +270,11 @@ class DecodeService(Service):
         sampling = Sampling(temperature=job.sampling.temperature, top_p=job.sampling.top_p,
                             seed=job.sampling.seed)
         kv, first, prefill_ms = adm.kv, adm.first_token, adm.prefill_ms
-        with tracing.span_from(adm.headers, "decode.admit", request_id=job.request_id,
-                               route=str(job.route), prompt_tokens=len(job.prompt_token_ids)):
+        with tracing.span_from(adm.headers, "decode.admit", request_id=job.request_id, tenant=job.tenant,
+                               route=str(job.route), prompt_tokens=len(job.prompt_token_ids),
+                               queue_wait_ms=round(max(0.0, now_ms() - (adm.started_ms or job.routed_ms)), 2),
+                               prefill_worker=job.prefill_worker) as asp, \
+                structlog.contextvars.bound_contextvars(request_id=job.request_id, tenant=job.tenant):
             if kv is None:
                 t0 = time.perf_counter()
                 try:
@@ -278,6 +287,13 @@ class DecodeService(Service):
                 adm.cached_tokens = len(job.prompt_token_ids) - res.num_computed_tokens
             assert first is not None
             await self.thread.run(self.engine.add_sequence, job.request_id, kv, first, sampling)
+            tracing.set_attrs(asp, cached_tokens=adm.cached_tokens,
+                              prefill_ms=None if prefill_ms is None else round(prefill_ms, 2),
+                              local_prefill=adm.kv is None, transfer_ms=adm.transfer_ms,
+                              first_token_ms=round(now_ms() - job.created_ms, 2))
+            self.stream_spans[job.request_id] = tracing.tracer().start_span(
+                "decode.stream", context=tracing.extract(adm.headers),
+                attributes={"request_id": job.request_id, "tenant": job.tenant, "route": str(job.route)})
         seq = Sequence(
             job=job,
             detok=IncrementalDetokenizer(self.engine, job.prompt_token_ids),
@@ -339,6 +355,7 @@ class DecodeService(Service):
         if seq.seq_no == 0:
             seq.timings.ttft_server_ms = now_ms() - job.created_ms
         seq.generated.append(token)
+        seq.token_times.append(time.perf_counter())
         upd = seq.stop.update(token, seq.detok.feed(token))
         text, reason = upd.text, upd.finish_reason
         if reason == "length":
@@ -367,9 +384,19 @@ class DecodeService(Service):
         await self.b.publish(Subjects.finished(job.tenant), RequestFinished(
             request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id, status="ok", usage=usage,
             route=job.route))
-        self.log.info("finished", request_id=job.request_id, tenant=job.tenant, finish_reason=reason,
-                      completion_tokens=len(seq.generated), route=str(job.route),
-                      total_ms=round(seq.timings.total_ms or 0, 1))
+        sp = self.stream_spans.pop(job.request_id, None)
+        if sp is None:
+            sp = trace.INVALID_SPAN
+        itl = sorted((b - a) * 1000 for a, b in zip(seq.token_times, seq.token_times[1:], strict=False))
+        tracing.set_attrs(sp, completion_tokens=len(seq.generated), finish_reason=reason,
+                          cached_tokens=seq.cached_tokens, ttft_server_ms=seq.timings.ttft_server_ms,
+                          total_ms=seq.timings.total_ms,
+                          itl_p50_ms=round(itl[len(itl) // 2], 3) if itl else None,
+                          itl_max_ms=round(itl[-1], 3) if itl else None)
+        with trace.use_span(sp, end_on_exit=True):  # the log line carries this span's trace and span ids
+            self.log.info("finished", request_id=job.request_id, tenant=job.tenant, finish_reason=reason,
+                          completion_tokens=len(seq.generated), route=str(job.route),
+                          total_ms=round(seq.timings.total_ms or 0, 1))
 
     async def _drop(self, request_id: str, tokens: list[int] | None = None) -> None:
         if self.active.pop(request_id, None) is not None:
@@ -378,6 +405,13 @@ class DecodeService(Service):
                 await self.kv_events.flush()
 
     async def _error(self, job: DecodeJob, code: ErrorCode, message: str) -> None:
+        # The sequence's stream span when it was admitted, else whatever span is current (decode.admit).
+        sp = self.stream_spans.pop(job.request_id, None)
+        for span in (sp,) if sp is not None else (trace.get_current_span(),):
+            span.set_attribute("error.code", str(code))
+            tracing.record_error(span, message)
+            if sp is not None:
+                span.end()
         self.log.warning("request_failed", request_id=job.request_id, code=str(code), reason=message)
         await self.b.publish(job.stream_subject, StreamError(request_id=job.request_id, code=code,
                                                              message=message, worker=self.worker_id))

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from typing import Any
 
+import structlog
 import torch
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
@@ -141,7 +142,11 @@ class PrefillService(Service):
             self.current = job.decode
             try:
                 with tracing.span_from(headers, "prefill.job", request_id=job.decode.request_id,
-                                       prompt_tokens=len(job.decode.prompt_token_ids)) as sp:
+                                       tenant=job.decode.tenant, decoder=job.decode.decoder_id,
+                                       prompt_tokens=len(job.decode.prompt_token_ids),
+                                       queue_wait_ms=round(max(0.0, now_ms() - job.decode.routed_ms), 2)) as sp, \
+                        structlog.contextvars.bound_contextvars(request_id=job.decode.request_id,
+                                                                tenant=job.decode.tenant):
                     try:
                         await self._run(job.decode)
                     except JobFailed as exc:
@@ -192,7 +197,14 @@ class PrefillService(Service):
         if len(ids) >= self.engine.info.max_model_len:
             raise JobFailed(ErrorCode.PROMPT_TOO_LONG,
                             f"prompt has {len(ids):,} tokens; model max is {self.engine.info.max_model_len - 1:,}")
-        reservation = await self._reserve(job)
+        with tracing.tracer().start_as_current_span("kv.reserve", attributes={"decoder": job.decoder_id}) as rsp:
+            t_res = time.perf_counter()
+            try:
+                reservation = await self._reserve(job)
+            except JobFailed as exc:
+                tracing.record_error(rsp, str(exc))
+                raise
+            rsp.set_attribute("kv.reserve_ms", round((time.perf_counter() - t_res) * 1000, 2))
         assert reservation.transfer_id is not None and reservation.descriptor is not None
         tid, desc = reservation.transfer_id, reservation.descriptor
         sampling = Sampling(temperature=job.sampling.temperature, top_p=job.sampling.top_p, seed=job.sampling.seed)
@@ -221,6 +233,9 @@ class PrefillService(Service):
                 prefill_ms = (time.perf_counter() - t0) * 1000
                 csp.set_attribute("prefill.tokens", len(ids))
                 csp.set_attribute("prefill.cached_tokens", len(ids) - res.num_computed_tokens)
+                csp.set_attribute("prefill.computed_tokens", res.num_computed_tokens)
+                csp.set_attribute("prefill.ms", round(prefill_ms, 2))
+                csp.set_attribute("kv.layerwise", self.layerwise)
             with tracing.tracer().start_as_current_span("kv.push") as sp:
                 t1 = time.perf_counter()
                 try:
@@ -240,6 +255,12 @@ class PrefillService(Service):
                 sp.set_attribute("kv.transport", transport)
                 sp.set_attribute("kv.layerwise", self.layerwise)
                 sp.set_attribute("kv.exposed_ms", transfer_ms)
+                # Layerwise pushes overlap compute: bandwidth over the whole push window (compute + the
+                # exposed tail) would understate the link, so report it over the exposed part too.
+                push_ms = transfer_ms + (prefill_ms if self.layerwise else 0.0)
+                sp.set_attribute("kv.duration_ms", round(push_ms, 3))
+                sp.set_attribute("kv.bandwidth_mbps", round(nbytes / 1e6 / max(push_ms / 1000, 1e-9), 1))
+                sp.set_attribute("kv.decoder", job.decoder_id)
         finally:
             for f in pushes:  # a failed prefill must not leave pushes writing into freed staging blocks
                 with contextlib.suppress(Exception):

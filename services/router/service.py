@@ -13,7 +13,10 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
+import structlog
 from nats.aio.msg import Msg
+from opentelemetry import trace
+from opentelemetry.trace import SpanContext
 
 from proto import (
     Accepted,
@@ -50,6 +53,7 @@ class Inflight:
     prefiller: str | None
     holder: str  # the worker currently responsible for the request
     routed_at: float = field(default_factory=time.monotonic)
+    trace_ctx: SpanContext | None = None  # router.request's span: a later failure is recorded under it
 
 
 class RouterService(Service):
@@ -154,6 +158,19 @@ class RouterService(Service):
 
     async def _fail(self, inf: Inflight, code: ErrorCode, message: str, worker: str | None = None) -> None:
         self.inflight.pop(inf.request_id, None)
+        if inf.trace_ctx is not None and trace.get_current_span().get_span_context() != inf.trace_ctx:
+            # router.request ended long ago (e.g. the decoder died mid-stream): record the failure in the
+            # same trace so the waterfall shows where and why the request ended.
+            parent = trace.set_span_in_context(trace.NonRecordingSpan(inf.trace_ctx))
+            with tracing.tracer().start_as_current_span("router.fail", context=parent) as sp:
+                tracing.set_attrs(sp, request_id=inf.request_id, tenant=inf.tenant, error_code=str(code),
+                                  failed_worker=worker)
+                tracing.record_error(sp, message)
+                await self._publish_failure(inf, code, message, worker)
+            return
+        await self._publish_failure(inf, code, message, worker)
+
+    async def _publish_failure(self, inf: Inflight, code: ErrorCode, message: str, worker: str | None) -> None:
         err = StreamError(request_id=inf.request_id, code=code, message=message, worker=worker,
                           retryable=code in (ErrorCode.WORKER_DIED, ErrorCode.NO_WORKERS))
         await self.b.publish(inf.stream_subject, err)
@@ -165,18 +182,25 @@ class RouterService(Service):
 
     # --- requests ------------------------------------------------------------------------------------
     async def on_request(self, req: GenerateRequest, msg: Msg) -> None:
-        with tracing.span_from(msg.headers, "router.request", request_id=req.request_id, tenant=req.tenant) as sp:
+        with tracing.span_from(msg.headers, "router.request", request_id=req.request_id, tenant=req.tenant) as sp, \
+                structlog.contextvars.bound_contextvars(request_id=req.request_id, tenant=req.tenant):
+            # Queue wait: client send -> this router picking the request up.
+            tracing.set_attrs(sp, queue_wait_ms=round(max(0.0, now_ms() - req.created_ms), 2),
+                              route_requested=req.route, max_tokens=req.sampling.max_tokens)
             await self._handle(req, msg, sp)
 
     async def _reject(self, req: GenerateRequest, msg: Msg, code: ErrorCode, message: str) -> None:
         self.log.info("rejected", request_id=req.request_id, code=str(code), reason=message)
+        sp = trace.get_current_span()
+        sp.set_attribute("error.code", str(code))
+        tracing.record_error(sp, message)
         err = StreamError(request_id=req.request_id, code=code, message=message)
         if msg.reply:
             await self.b.respond(msg, err)
         else:
             await self.b.publish(req.stream_subject, err)
 
-    async def _handle(self, req: GenerateRequest, msg: Msg, sp: object) -> None:
+    async def _handle(self, req: GenerateRequest, msg: Msg, sp: trace.Span) -> None:
         log = self.log.bind(request_id=req.request_id, tenant=req.tenant)
         if len(self.inflight) >= self.max_inflight:
             await self._reject(req, msg, ErrorCode.BUSY, f"router {self.worker_id} has {self.max_inflight} "
@@ -235,7 +259,13 @@ class RouterService(Service):
                        decoder=decision.decoder, prefiller=decision.prefiller,
                        holder=decision.prefiller or decision.decoder)
         self.inflight[req.request_id] = inf
-        log.info("routed", decision=decision.to_dict(), prompt_tokens=len(ids))
+        inf.trace_ctx = sp.get_span_context() if sp.get_span_context().is_valid else None
+        ddict = decision.to_dict()
+        # The routing decision, flattened (scalars) and whole (JSON), so a waterfall can show why.
+        tracing.set_attrs(sp, prompt_tokens=len(ids), route=str(route.value), decoder=decision.decoder,
+                          prefiller=decision.prefiller, decision_json=ddict)
+        tracing.set_attrs(sp, "decision.", **{k: v for k, v in ddict.items() if k != "request_id"})
+        log.info("routed", decision=ddict, prompt_tokens=len(ids))
         try:
             if route is Route.DISAGGREGATED:
                 assert decision.prefiller is not None

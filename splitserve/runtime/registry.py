@@ -25,11 +25,17 @@ class WorkerRegistry:
     miss_factor: float = 4.0
     min_timeout_s: float = 1.5
     workers: dict[str, WorkerState] = field(default_factory=dict)
+    # Deaths noticed by observe(): a worker id that comes back as a new process before the old one timed out.
+    _replaced: list[tuple[str, str]] = field(default_factory=list)
 
     def observe(self, hb: Heartbeat, now: float) -> None:
         st = self.workers.get(hb.worker_id)
         if st is None or st.hb.pid != hb.pid:
-            # New worker, or the same id restarted as a new process.
+            # New worker, or the same id restarted as a new process. The old process died even if its
+            # heartbeats have not timed out yet: report that, or what it held would never be failed.
+            if st is not None and st.was_ready and st.dead_reason is None:
+                self._replaced.append((hb.worker_id, f"{st.hb.role} worker {hb.worker_id} (pid {st.hb.pid}) died "
+                                                     f"and was restarted as pid {hb.pid}"))
             self.workers[hb.worker_id] = WorkerState(hb=hb, last_seen=now, first_seen=now,
                                                      was_ready=hb.state == "ready")
             return
@@ -54,7 +60,7 @@ class WorkerRegistry:
 
     def reap(self, now: float) -> list[tuple[str, str]]:
         """Workers that just died (missed heartbeats or announced stop) with a reason; each reported once."""
-        dead: list[tuple[str, str]] = []
+        dead, self._replaced = self._replaced, []
         for wid, st in self.workers.items():
             if st.dead_reason is not None or not st.was_ready:
                 continue

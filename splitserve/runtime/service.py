@@ -18,6 +18,7 @@ import structlog
 
 from proto import Heartbeat, Subjects, WorkerLoad
 from splitserve.obs.log import configure_logging, get_logger
+from splitserve.obs.tracing import flush_tracing, setup_tracing
 from splitserve.runtime.bus import Bus
 
 
@@ -91,6 +92,8 @@ class Service:
 
     async def run(self) -> None:
         self.bus = await Bus.connect(self.nats_url, f"{self.role}:{self.worker_id}")
+        # After connecting: the embedded span exporter publishes on this connection.
+        setup_tracing(self.role, self.worker_id, self.bus)
         hb_task = asyncio.create_task(self._heartbeat_loop())
         try:
             t0 = time.perf_counter()
@@ -109,6 +112,8 @@ class Service:
                 await self._heartbeat()
             hb_task.cancel()
             await self.shutdown()
+            with contextlib.suppress(Exception):  # the last requests' spans, before the connection closes
+                await flush_tracing(2.0)
             await self.b.close()
             structlog.contextvars.clear_contextvars()
 
