@@ -7,6 +7,7 @@ import asyncio
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -170,3 +171,49 @@ def bench_kvaware(ctx: typer.Context) -> None:
 
 if __name__ == "__main__":
     app()
+
+
+@app.command("trace")
+def trace_cmd(
+    request_id: str | None = typer.Argument(None, help="the request whose trace to draw"),
+    as_json: bool = typer.Option(False, "--json", help="print the spans as JSON instead of a waterfall"),
+    slowest: int | None = typer.Option(None, "--slowest", min=1, help="list the N slowest recent requests"),
+    nats_url: str | None = NatsUrlOpt,
+) -> None:
+    """Draw a request's trace (spans kept in the SS_TRACES stream) as a terminal waterfall."""
+    from splitserve.obs import tracing, waterfall
+    from splitserve.runtime.bus import Bus
+
+    if request_id is None and slowest is None:
+        typer.echo("splitserve trace: give a REQUEST_ID or --slowest N", err=True)
+        raise typer.Exit(2)
+
+    async def load() -> list[dict[str, Any]]:
+        bus = await Bus.connect(discovery.resolve_nats_url(nats_url), "cli:trace", reconnect=False)
+        try:
+            return await tracing.read_spans(bus.nc)
+        finally:
+            await bus.close()
+
+    try:
+        spans = asyncio.run(load())
+    except Exception as exc:
+        typer.echo(f"splitserve trace: cannot read traces: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if slowest is not None:
+        rows = tracing.slowest_requests(spans, slowest)
+        if as_json:
+            typer.echo(json.dumps(rows, indent=2))
+        else:
+            waterfall.render_slowest(rows)
+        return
+    assert request_id is not None
+    picked = tracing.spans_for_request(spans, request_id)
+    if not picked:
+        typer.echo(f"splitserve trace: no spans for request {request_id} (tracing off, not sampled, or older "
+                   f"than the stream's {tracing.TRACE_STREAM_MAX_AGE_S / 3600:.0f} h retention)", err=True)
+        raise typer.Exit(1)
+    if as_json:
+        typer.echo(json.dumps(picked, indent=2))
+    else:
+        waterfall.render_waterfall(picked)

@@ -22,7 +22,8 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
 from nats.js.errors import NotFoundError, ObjectNotFoundError
 
 import proto
-from proto import CacheQuery, CacheQueryReply, Heartbeat, KvEventBatch, KvHeld, KvHeldRequest, Subjects, WorkerLoad
+from proto import CacheQuery, CacheQueryReply, Heartbeat, KvEventBatch, Subjects, WorkerLoad
+from services.common.resync import resync_index
 from splitserve.cache import events as cache_events
 from splitserve.cache.index import PrefixIndex
 from splitserve.runtime.registry import WorkerRegistry
@@ -106,16 +107,7 @@ class CacheIndexService(Service):
         if self.index.apply(cache_events.KvEventBatch.from_dict(batch.model_dump())):
             self.gaps += 1
             self.log.warning("kv_event_gap", target=batch.worker_id, seq=batch.seq)
-            self.b.spawn(self._resync(batch.worker_id))
-
-    async def _resync(self, worker_id: str) -> None:
-        try:
-            reply = await self.b.request(Subjects.kv_held(worker_id), KvHeldRequest(), KvHeld, timeout=5.0)
-        except Exception as exc:
-            self.log.warning("kv_resync_failed", target=worker_id, error=str(exc))
-            return
-        if isinstance(reply, KvHeld):
-            self.index.resync(worker_id, reply.seq, reply.held)
+            self.b.spawn(resync_index(self.b, self.index, batch.worker_id, self.log))
 
     async def on_heartbeat(self, hb: Heartbeat, _: Msg) -> None:
         self.registry.observe(hb, time.monotonic())

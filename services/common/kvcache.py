@@ -17,7 +17,16 @@ from services.common.engine_thread import EngineThread
 from splitserve.cache.events import AllBlocksCleared
 from splitserve.cache.store import PrefixKvStore
 from splitserve.engines.base import ModelInfo
+from splitserve.kv import KvLayout
 from splitserve.runtime.bus import Bus
+
+
+def kv_layout(info: ModelInfo, block_size: int) -> KvLayout:
+    """The paged KV layout of the served model: the same on every worker, so blocks move between them."""
+    import torch
+
+    return KvLayout(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+                    block_size=block_size, dtype=getattr(torch, info.dtype))
 
 
 def make_store(info: ModelInfo, *, block_size: int, cache_tokens: int, l1_tokens: int) -> PrefixKvStore | None:
@@ -33,6 +42,13 @@ def make_store(info: ModelInfo, *, block_size: int, cache_tokens: int, l1_tokens
 
 
 class KvEventPublisher:
+    @classmethod
+    def for_worker(cls, bus: Bus, worker_id: str, info: ModelInfo, thread: EngineThread, *, block_size: int,
+                   cache_tokens: int, l1_tokens: int) -> KvEventPublisher | None:
+        """The worker's prefix cache and its event publisher; None when caching is off."""
+        store = make_store(info, block_size=block_size, cache_tokens=cache_tokens, l1_tokens=l1_tokens)
+        return None if store is None else cls(bus, worker_id, store, thread)
+
     def __init__(self, bus: Bus, worker_id: str, store: PrefixKvStore, thread: EngineThread) -> None:
         self.bus = bus
         self.worker_id = worker_id

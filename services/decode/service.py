@@ -39,12 +39,12 @@ from proto import (
     now_ms,
 )
 from services.common.engine_thread import EngineThread
-from services.common.kvcache import KvEventPublisher, make_store
+from services.common.kvcache import KvEventPublisher, kv_layout
 from services.common.options import EngineOptions
 from splitserve.cache.store import PrefixKvStore
 from splitserve.engines import PrefillResult, PromptTooLong, Sampling
 from splitserve.engines.detok import IncrementalDetokenizer, StopChecker
-from splitserve.kv import BlockPool, KvLayout, make_receiver
+from splitserve.kv import BlockPool, make_receiver
 from splitserve.obs import tracing
 from splitserve.runtime.service import Service
 
@@ -125,15 +125,13 @@ class DecodeService(Service):
     async def setup(self) -> None:
         self.engine = await self.thread.run(self.opts.load)
         info = self.engine.info
-        self.layout = KvLayout(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
-                               head_dim=info.head_dim, block_size=self.opts.block_size,
-                               dtype=getattr(torch, info.dtype))
+        self.layout = kv_layout(info, self.opts.block_size)
         self.pool = BlockPool(self.layout, self.layout.blocks_for_tokens(self.landing_tokens))
         self.receiver = await asyncio.to_thread(make_receiver, self.opts.transport, self.pool)
-        self.store = make_store(info, block_size=self.opts.block_size, cache_tokens=self.cache_tokens,
-                                l1_tokens=self.l1_tokens)
-        if self.store is not None:
-            self.kv_events = KvEventPublisher(self.b, self.worker_id, self.store, self.thread)
+        self.kv_events = KvEventPublisher.for_worker(self.b, self.worker_id, info, self.thread,
+                                                     block_size=self.opts.block_size, cache_tokens=self.cache_tokens,
+                                                     l1_tokens=self.l1_tokens)
+        self.store = self.kv_events.store if self.kv_events is not None else None
 
     async def start(self) -> None:
         b = self.b

@@ -25,8 +25,6 @@ from proto import (
     GenerateRequest,
     Heartbeat,
     KvEventBatch,
-    KvHeld,
-    KvHeldRequest,
     PrefillJob,
     RequestFinished,
     Route,
@@ -35,6 +33,7 @@ from proto import (
     WorkerLoad,
     now_ms,
 )
+from services.common.resync import resync_index
 from splitserve.cache import events as cache_events
 from splitserve.cache.index import PrefixIndex
 from splitserve.obs import tracing
@@ -129,19 +128,7 @@ class RouterService(Service):
     async def on_kv_events(self, batch: KvEventBatch, _: Msg) -> None:
         gap = self.policy.apply_events(cache_events.KvEventBatch.from_dict(batch.model_dump()))
         if gap:
-            self.b.spawn(self._resync(batch.worker_id))
-
-    async def _resync(self, worker_id: str) -> None:
-        """Events from this worker were lost: replace what we believe it holds with what it says it holds."""
-        try:
-            reply = await self.b.request(Subjects.kv_held(worker_id), KvHeldRequest(), KvHeld, timeout=5.0)
-        except Exception as exc:
-            self.log.warning("kv_resync_failed", target=worker_id, error=str(exc))
-            return
-        if isinstance(reply, KvHeld):
-            self.index.resync(worker_id, reply.seq, reply.held)
-            self.log.info("kv_resynced", target=worker_id, seq=reply.seq,
-                          blocks=sum(len(v) for v in reply.held.values()))
+            self.b.spawn(resync_index(self.b, self.index, batch.worker_id, self.log))
 
     async def on_finished(self, ev: RequestFinished, _: Msg) -> None:
         self.inflight.pop(ev.request_id, None)

@@ -43,6 +43,7 @@ TRACE_STREAM_MAX_AGE_S = 3600.0
 TRACE_STREAM_MAX_BYTES = 256 * 1024 * 1024
 
 _provider: TracerProvider | None = None
+_nats_exporter: NatsSpanExporter | None = None
 _lock = threading.Lock()
 
 
@@ -125,11 +126,16 @@ def setup_tracing(service_name: str, worker_id: str, bus_or_nc: Any = None) -> T
     """Install the process's TracerProvider once (later calls return it). ``bus_or_nc`` (a Bus or a nats
     client) is where the embedded exporter publishes when no OTLP endpoint is configured. Returns None
     when tracing is off, or when the application installed a provider of its own (then spans go there)."""
-    global _provider
+    global _provider, _nats_exporter
     if not tracing_enabled():
         return None
     with _lock:
         if _provider is not None:
+            nc = getattr(bus_or_nc, "nc", bus_or_nc)
+            # A process that connects again (a new event loop per asyncio.run, a reconnecting client):
+            # spans follow the newest live connection instead of a closed one.
+            if _nats_exporter is not None and nc is not None and not _nats_exporter.usable():
+                _nats_exporter.rebind(nc)
             return _provider
         current = trace.get_tracer_provider()
         if isinstance(current, TracerProvider):  # the embedding application configured OTel: respect it
@@ -139,7 +145,7 @@ def setup_tracing(service_name: str, worker_id: str, bus_or_nc: Any = None) -> T
             nc = getattr(bus_or_nc, "nc", bus_or_nc)
             if nc is None:
                 return None  # nowhere to send spans: stay a no-op rather than buffer forever
-            exporter = NatsSpanExporter(nc, service_name, worker_id)
+            exporter = _nats_exporter = NatsSpanExporter(nc, service_name, worker_id)
             with contextlib.suppress(RuntimeError):  # no running loop: the reader creates the stream
                 asyncio.get_running_loop().create_task(ensure_trace_stream(nc))
         provider = TracerProvider(
@@ -206,13 +212,21 @@ class NatsSpanExporter(SpanExporter):
     not awaited there (a plain publish: the stream captures the subject, no per-batch ack round trip)."""
 
     def __init__(self, nc: Any, service: str, worker_id: str) -> None:
-        self.nc = nc
         self.service = service
         self.worker_id = worker_id
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.rebind(nc)
+
+    def rebind(self, nc: Any) -> None:
+        """Publish on this connection (and its event loop, the one running now) from now on."""
+        self.nc = nc
         try:
-            self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            self.loop = asyncio.get_running_loop()
         except RuntimeError:
             self.loop = None
+
+    def usable(self) -> bool:
+        return (self.loop is not None and not self.loop.is_closed() and bool(self.nc.is_connected))
 
     def encode(self, spans: Sequence[ReadableSpan]) -> bytes:
         from proto import SpanBatch, encode
@@ -227,7 +241,7 @@ class NatsSpanExporter(SpanExporter):
         if not spans:
             return SpanExportResult.SUCCESS
         loop = self.loop
-        if loop is None or loop.is_closed() or not self.nc.is_connected:
+        if loop is None or not self.usable():
             return SpanExportResult.FAILURE
         data = self.encode(spans)
         subject = Subjects.trace_spans(self.service)

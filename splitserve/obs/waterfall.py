@@ -1,0 +1,96 @@
+"""Terminal rendering of traces read back from SS_TRACES (``splitserve trace``).
+
+A waterfall is one row per span, ordered by start: service, span name (indented by depth), start offset
+from the trace's first span, a duration bar on a shared time axis, and the attributes a debugger needs
+(routing decision, KV transfer, token counts). Error spans are red and carry their status message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+# Attributes worth a column, per span name (everything else is in --json).
+_KEY_ATTRS: dict[str, tuple[str, ...]] = {
+    "client.generate": ("ttft_ms", "route", "finish_reason", "completion_tokens", "error.code"),
+    "router.request": ("queue_wait_ms", "prompt_tokens", "decision.strategy", "decision.route", "decision.decoder",
+                       "decision.prefiller", "decision.reason", "decision.cached_tokens",
+                       "decision.uncached_tokens", "decision.thresholds", "decision.candidates", "error.code"),
+    "router.fail": ("error_code", "failed_worker"),
+    "prefill.job": ("prompt_tokens", "decoder", "queue_wait_ms"),
+    "kv.reserve": ("decoder", "kv.reserve_ms"),
+    "prefill.compute": ("prefill.tokens", "prefill.cached_tokens", "prefill.ms"),
+    "kv.push": ("kv.bytes", "kv.transport", "kv.layerwise", "kv.exposed_ms", "kv.bandwidth_mbps"),
+    "decode.admit": ("route", "prompt_tokens", "cached_tokens", "first_token_ms", "prefill_ms", "transfer_ms"),
+    "decode.stream": ("completion_tokens", "finish_reason", "itl_p50_ms", "itl_max_ms", "error.code"),
+}
+_BAR = 32
+
+
+def _depths(spans: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    parent = {s["span_id"]: s.get("parent_id") for s in spans}
+    out: dict[str, int] = {}
+    for sid in parent:
+        d, p, seen = 0, parent[sid], {sid}
+        while p in parent and p not in seen:
+            seen.add(p)
+            d += 1
+            p = parent[p]
+        out[sid] = d
+    return out
+
+
+def _fmt(v: Any, limit: int = 120) -> str:
+    s = str(v)
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def render_waterfall(spans: Sequence[Mapping[str, Any]], console: Console | None = None,
+                     title: str | None = None) -> None:
+    console = console or Console()
+    if not spans:
+        console.print("no spans")
+        return
+    t0 = min(s["start_ns"] for s in spans)
+    t1 = max(s["end_ns"] for s in spans)
+    total = max(1, t1 - t0)
+    depth = _depths(spans)
+    table = Table(title=title or f"trace {spans[0]['trace_id']}  ({total / 1e6:.1f} ms, {len(spans)} spans)",
+                  show_lines=False, expand=False)
+    for col in ("service", "span", "start ms", "dur ms", "timeline", "attributes"):
+        table.add_column(col, overflow="fold", no_wrap=col in ("timeline", "start ms", "dur ms"))
+    for s in sorted(spans, key=lambda s: (s["start_ns"], -s["end_ns"])):
+        err = s.get("status") == "error"
+        a = int((s["start_ns"] - t0) / total * _BAR)
+        b = max(a + 1, int((s["end_ns"] - t0) / total * _BAR))
+        bar = Text(" " * a + "█" * (b - a) + " " * (_BAR - b), style="red" if err else "cyan")
+        attrs = s.get("attributes") or {}
+        keys = _KEY_ATTRS.get(s["name"], ())
+        shown = [f"{k}={_fmt(attrs[k])}" for k in keys if k in attrs]
+        if err:
+            shown.insert(0, f"ERROR: {s.get('status_message') or ''}")
+        style = "bold red" if err else ""
+        table.add_row(
+            Text(f"{s['service']}/{s.get('worker_id', '')}", style=style),
+            Text("  " * depth.get(s["span_id"], 0) + s["name"], style=style),
+            f"{(s['start_ns'] - t0) / 1e6:9.1f}",
+            f"{(s['end_ns'] - s['start_ns']) / 1e6:9.1f}",
+            bar,
+            Text("  ".join(shown), style="red" if err else ""),
+        )
+    console.print(table)
+
+
+def render_slowest(rows: Sequence[Mapping[str, Any]], console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title=f"slowest {len(rows)} recent requests")
+    for col in ("request_id", "trace_id", "root", "duration ms", "spans", "error"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(str(r["request_id"]), r["trace_id"], r["root"], f"{r['duration_ms']:.1f}", str(r["spans"]),
+                      Text("error", style="bold red") if r["error"] else "")
+    console.print(table)
