@@ -10,6 +10,7 @@ router's in-flight record.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections import deque
@@ -95,7 +96,10 @@ class DecodeService(Service):
         opts: EngineOptions,
         landing_tokens: int = 16384,
         max_batch: int = 16,
-        lease_s: float = 30.0,
+        # A reservation is taken before the prefill computes (so layers can be pushed as they finish); the
+        # lease must outlast the slowest prefill of a max-length prompt, or a late push could land in blocks
+        # already leased to someone else.
+        lease_s: float = 300.0,
         cache_tokens: int = 8192,
         l1_tokens: int = 0,
         prefill_chunk: int = 256,
@@ -217,7 +221,8 @@ class DecodeService(Service):
             return
         try:
             await self.receiver.wait(res.transfer_id, timeout=10.0)
-            kv = self.pool.gather(res.block_ids, done.kv.num_tokens)
+            # Off the event loop: a 100 MB copy here would delay every token publish and heartbeat.
+            kv = await asyncio.to_thread(self.pool.gather, res.block_ids, done.kv.num_tokens)
         except Exception as exc:
             await self._error(done.decode, ErrorCode.KV_TRANSFER_FAILED, f"KV did not land: {exc}")
             return
@@ -256,7 +261,8 @@ class DecodeService(Service):
             except Exception as exc:  # engine failure: fail what it held, keep serving
                 self.log.exception("engine_loop_error", error=str(exc))
                 for seq in list(self.active.values()):
-                    await self._drop(seq.job.request_id)
+                    with contextlib.suppress(Exception):  # the engine may be what is broken
+                        await self._drop(seq.job.request_id)
                     await self._error(seq.job, ErrorCode.INTERNAL, f"decode engine failed: {exc}")
 
     async def _admit(self, adm: Admission) -> None:

@@ -26,6 +26,7 @@ import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from opentelemetry import context as otel_context
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -36,6 +37,7 @@ from proto.subjects import check_token
 from services.frontend import openai_api as oa
 from splitserve import errors
 from splitserve.client import Delta, Result
+from splitserve.obs import tracing
 from splitserve.obs.log import get_logger
 
 log = get_logger("frontend.http")
@@ -158,9 +160,16 @@ class RequestIdMiddleware:
                 MutableHeaders(scope=message)[REQUEST_ID_HEADER] = rid
             await send(message)
 
+        # Continue the caller's own trace (W3C traceparent/tracestate): client.generate, started inside
+        # this request, becomes a child of the caller's span.
+        hdrs = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []
+                if k.lower() in (b"traceparent", b"tracestate")}
+        token = otel_context.attach(tracing.extract(hdrs)) if hdrs else None
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            if token is not None:
+                otel_context.detach(token)
             # Probes come every second or so: keep them out of the info log.
             emit = log.debug if scope.get("path") in PROBE_PATHS else log.info
             emit("http", method=scope.get("method"), path=scope.get("path"), status=status or None, request_id=rid,

@@ -64,12 +64,12 @@ def test_round_trip(nats_server: NatsServer) -> None:
     assert '"worker":"d1"' in root["attributes"]["decision.candidates"]  # type: ignore[index]
     assert push["status"] == "error" and push["status_message"] == "decoder vanished"
     assert push["attributes"]["kv.bytes"] == 1024  # type: ignore[index]
-    rows = tracing.slowest_requests(spans, 5)
+    rows = tracing.slowest_requests(spans, 100_000)  # the shared server holds other tests' traces too
     assert {r["request_id"] for r in rows} >= {"req-1", "other"}
 
     buf = io.StringIO()
     render_waterfall(mine, Console(file=buf, width=200))
-    render_slowest(rows, Console(file=buf, width=200))
+    render_slowest(rows[:5], Console(file=buf, width=200))
     out = buf.getvalue()
     assert "router.request" in out and "kv.push" in out and "ERROR: decoder vanished" in out
     assert "decision.strategy=kvaware" in out
