@@ -246,14 +246,11 @@ async def replay(requests: list[ScaledRequest], via: str, nats_url: str | None, 
     """Send every request at its time (open loop); return outcomes, wall seconds, and the model name."""
     outcomes = [Outcome(r.index, r.send_at_s) for r in requests]
     if via == "http":
-        import httpx
-        from openai import AsyncOpenAI
+        from openai import AsyncOpenAI  # its default pool allows 1,000 connections: enough for open loop
 
         assert http_url
         client: Any = AsyncOpenAI(base_url=http_url.rstrip("/") + "/v1", api_key="unused", timeout=timeout,
-                                  max_retries=0,
-                                  http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=1000),
-                                                                timeout=timeout))
+                                  max_retries=0)
         if model is None:
             model = (await client.models.list()).data[0].id
     else:
@@ -335,10 +332,10 @@ def report(res: dict[str, Any]) -> None:
     share = res["cached_share"]
     print(f"cached tokens: {res['cached_tokens']:,} of {res['prompt_tokens']:,} prompt tokens "
           f"({'-' if share is None else f'{share:.1%}'}); completion tokens {res['completion_tokens']:,}")
-    print(f"{'':<8}{'p50':>12}{'p90':>12}{'p99':>12}{'n':>7}")
+    print(f"{'':<8}{'p50':>14}{'p90':>14}{'p99':>14}{'n':>7}")
     for key, label in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("tpot_ms", "TPOT"), ("e2e_ms", "e2e")):
         s = res[key]
-        print(f"{label:<8}{fmt(s['p50']):>12}{fmt(s['p90']):>12}{fmt(s['p99']):>12}{s['n']:>7}")
+        print(f"{label:<8}{fmt(s['p50']):>14}{fmt(s['p90']):>14}{fmt(s['p99']):>14}{s['n']:>7}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,6 +29,7 @@ __all__ = [
     "BlockStored",
     "CacheQuery",
     "CacheQueryReply",
+    "CancelRequest",
     "ChatMessage",
     "DecodeJob",
     "ErrorCode",
@@ -306,6 +307,16 @@ class StreamError(Message):
 ErrorMessage = StreamError
 
 StreamMessage = Annotated[StreamDelta | StreamFinal | StreamError, Field(discriminator="kind")]
+
+
+class CancelRequest(Message):
+    """Stop a request wherever it is (queued, prefilling, decoding) and free its KV and reservations; the
+    caller then gets a StreamFinal with finish_reason "cancelled" (what was generated so far, and usage)."""
+
+    kind: Literal["cancel_request"] = "cancel_request"
+    request_id: str
+    tenant: str
+    reason: str = "cancelled by the client"
 
 
 class RequestFinished(Message):

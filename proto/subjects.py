@@ -12,6 +12,7 @@ Layout (``ss`` is the product prefix; ``{tenant}`` and ``{worker}`` are single t
   ss.kv.{worker}                  workers: KvEventBatch (blocks stored/removed/cleared), sequenced
   ss.kv.{worker}.held             index -> worker, request/reply: KvHeldRequest -> KvHeld (resync after a gap)
   ss.evt.finished.{tenant}        decoder/prefiller/router: RequestFinished (accounting, in-flight tracking)
+  ss.cancel.{tenant}              client/front door -> every worker: CancelRequest
   ss.cache.query                  router -> cache index, request/reply: CacheQuery -> CacheQueryReply
   ss.trace.spans.{service}        every process: SpanBatch (finished trace spans; kept in stream SS_TRACES)
 
@@ -83,6 +84,12 @@ class Subjects:
         return f"ss.evt.finished.{check_token(tenant, 'tenant')}"
 
     FINISHED_ALL = "ss.evt.finished.*"
+
+    @staticmethod
+    def cancel(tenant: str) -> str:
+        return f"ss.cancel.{check_token(tenant, 'tenant')}"
+
+    CANCEL_ALL = "ss.cancel.*"
     CACHE_QUERY = "ss.cache.query"
 
     @staticmethod

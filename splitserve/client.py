@@ -28,6 +28,7 @@ from opentelemetry import trace
 import proto
 from proto import (
     Accepted,
+    CancelRequest,
     ChatMessage,
     GenerateRequest,
     SamplingParams,
@@ -84,6 +85,7 @@ class Generation:
         self.result: Result | None = None
         self.accepted: Accepted | None = None
         self._started = False
+        self._server_ended = False  # the server sent a terminal error
         # The caller's trace context where generate() was called (its own span, or the HTTP front door's
         # incoming traceparent): client.generate continues it instead of starting a new trace.
         self._parent_ctx = otel_context.get_current()
@@ -137,6 +139,7 @@ class Generation:
                     raise errors.SplitserveError(f"undecodable stream message: {exc.message}",
                                                  request_id=req.request_id) from None
                 if isinstance(msg, StreamError):
+                    self._server_ended = True
                     raise errors.from_wire(msg)
                 # Deltas and the final carry consecutive seq numbers; reorder defensively.
                 early[msg.seq] = msg
@@ -170,8 +173,17 @@ class Generation:
             raise
         finally:
             span.end()
+            if self.accepted is not None and self.result is None and not self._server_ended:
+                # The caller stopped reading (break, disconnect, idle timeout): stop the work server-side
+                # too, so the request's KV and batch slot are freed instead of decoding to nobody.
+                with contextlib.suppress(Exception):
+                    await c.cancel(req.request_id, tenant=req.tenant, reason="the client stopped reading")
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    async def cancel(self, reason: str = "cancelled by the client") -> None:
+        """Stop this request wherever it is; its stream then ends with finish_reason "cancelled"."""
+        await self._client.cancel(self.request_id, tenant=self.request.tenant, reason=reason)
 
     async def collect(self) -> Result:
         async for _ in self:
@@ -229,6 +241,14 @@ class Client:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    async def cancel(self, request_id: str, *, tenant: str | None = None,
+                     reason: str = "cancelled by the client") -> None:
+        """Cancel a request by id (streaming or submitted): workers stop it and free its KV; its stream ends
+        with finish_reason "cancelled" and what was generated so far."""
+        t = tenant or self.tenant
+        await self._require().publish(proto.Subjects.cancel(t), CancelRequest(request_id=request_id, tenant=t,
+                                                                              reason=reason))
 
     def _require(self) -> Bus:
         if self._bus is None:

@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from proto import (
+    CancelRequest,
     DecodeJob,
     ErrorCode,
     KvReserveReply,
@@ -119,6 +120,7 @@ class DecodeService(Service):
         self.pending: deque[Admission] = deque()
         self.active: dict[str, Sequence] = {}
         self.reservations: dict[str, Reservation] = {}
+        self.cancelled: dict[str, None] = {}  # recently cancelled request ids, insertion-ordered, bounded
         self._wake = asyncio.Event()
         self.thread = EngineThread(f"decode-{worker_id}")
         # One decode.stream span per admitted sequence, open until it finishes or fails: decode jobs arrive
@@ -142,6 +144,7 @@ class DecodeService(Service):
         await b.subscribe(Subjects.decode_job(self.worker_id), DecodeJob, self.on_job)
         await b.subscribe(Subjects.kv_reserve(self.worker_id), KvReserveRequest, self.on_reserve)
         await b.subscribe(Subjects.kv_ready(self.worker_id), PrefillDone, self.on_kv_ready, concurrent=True)
+        await b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel)
         if self.kv_events is not None:
             await self.kv_events.start()
         b.spawn(self._engine_loop())
@@ -212,8 +215,43 @@ class DecodeService(Service):
                                                  block_ids=blocks, descriptor=desc,
                                                  lease_ms=self.lease_s * 1000))
 
+    async def on_cancel(self, c: CancelRequest, _: Msg) -> None:
+        rid = c.request_id
+        self.cancelled[rid] = None  # remembered: its KV may still be on its way from a prefiller
+        while len(self.cancelled) > 4096:
+            self.cancelled.pop(next(iter(self.cancelled)))
+        seq = self.active.get(rid)
+        if seq is not None and seq.job.tenant == c.tenant:
+            await self._finish(seq, "cancelled")
+            return
+        for adm in list(self.pending):
+            if adm.job.request_id == rid and adm.job.tenant == c.tenant:
+                self.pending.remove(adm)
+                await self._finish_unstarted(adm.job, "cancelled")
+                return
+
+    async def _finish_unstarted(self, job: DecodeJob, reason: str) -> None:
+        """Final message for a request cancelled or expired before it produced a token."""
+        usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=0)
+        await self.b.publish(job.stream_subject, StreamFinal(
+            request_id=job.request_id, seq=0, token_ids=[], text="",
+            finish_reason=reason,  # type: ignore[arg-type]
+            usage=usage, route=job.route, prefill_worker=job.prefill_worker, decode_worker=self.worker_id,
+            decision=job.decision))
+        await self.b.publish(Subjects.finished(job.tenant), RequestFinished(
+            request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id,
+            status=reason,  # type: ignore[arg-type]
+            usage=usage, route=job.route))
+
     async def on_kv_ready(self, done: PrefillDone, msg: Msg) -> None:
         res = self.reservations.pop(done.kv.transfer_id, None)
+        if res is not None and done.request_id in self.cancelled:
+            # Cancelled while prefilling: the push is complete, so its landing blocks can be reused safely.
+            with contextlib.suppress(Exception):
+                await self.receiver.wait(res.transfer_id, timeout=10.0)
+            self.pool.free(res.block_ids)
+            await self._finish_unstarted(done.decode, "cancelled")
+            return
         if res is None:
             await self._error(done.decode, ErrorCode.KV_TRANSFER_FAILED,
                               f"KV reservation {done.kv.transfer_id} on decoder {self.worker_id} is unknown or "
@@ -268,8 +306,11 @@ class DecodeService(Service):
     async def _admit(self, adm: Admission) -> None:
         job = adm.job
         started_ms = adm.started_ms or now_ms()
+        if job.request_id in self.cancelled:
+            await self._finish_unstarted(job, "cancelled")
+            return
         if job.deadline_ms is not None and now_ms() > job.deadline_ms:
-            await self._error(job, ErrorCode.EXPIRED, "the request's deadline passed before decoding started")
+            await self._finish_unstarted(job, "expired")
             return
         sampling = Sampling(temperature=job.sampling.temperature, top_p=job.sampling.top_p,
                             seed=job.sampling.seed)
@@ -356,6 +397,9 @@ class DecodeService(Service):
 
     async def _emit(self, seq: Sequence, token: int) -> None:
         job = seq.job
+        if job.deadline_ms is not None and now_ms() > job.deadline_ms:
+            await self._finish(seq, "expired")  # stop decoding and free the KV; the caller keeps what it got
+            return
         if seq.seq_no == 0:
             seq.timings.ttft_server_ms = now_ms() - job.created_ms
         seq.generated.append(token)
@@ -385,9 +429,11 @@ class DecodeService(Service):
             timings=seq.timings, decision=job.decision,
         )
         await self.b.publish(job.stream_subject, final)
+        status = "ok" if reason in ("stop", "length") else reason
         await self.b.publish(Subjects.finished(job.tenant), RequestFinished(
-            request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id, status="ok", usage=usage,
-            route=job.route))
+            request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id,
+            status=status,  # type: ignore[arg-type]
+            usage=usage, route=job.route))
         sp = self.stream_spans.pop(job.request_id, None)
         if sp is None:
             sp = trace.INVALID_SPAN

@@ -165,4 +165,11 @@ class FrontendService(Service):
         """
         self.cancel_requests.append(request_id)
         del self.cancel_requests[:-100]  # bounded: it is only for tests and debugging
-        self.log.info("cancel_request", request_id=request_id, wired=False)
+        inflight = getattr(self.app.state, "inflight", {}).get(request_id)
+        tenant = getattr(inflight, "tenant", None) if inflight is not None else None
+        if isinstance(inflight, str):
+            tenant = inflight
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                await self._client.cancel(request_id, tenant=tenant, reason="the HTTP client disconnected")
+        self.log.info("cancel_request", request_id=request_id, tenant=tenant, wired=True)

@@ -21,6 +21,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from proto import (
+    CancelRequest,
     DecodeJob,
     ErrorCode,
     KvHandle,
@@ -30,7 +31,9 @@ from proto import (
     PrefillJob,
     RequestFinished,
     StreamError,
+    StreamFinal,
     Subjects,
+    Usage,
     WorkerLoad,
     now_ms,
 )
@@ -95,6 +98,7 @@ class PrefillService(Service):
 
     async def start(self) -> None:
         await self.b.subscribe(Subjects.prefill_job(self.worker_id), PrefillJob, self.on_job)
+        await self.b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel)
         if self.kv_events is not None:
             await self.kv_events.start()
         self.b.spawn(self._loop())
@@ -125,6 +129,23 @@ class PrefillService(Service):
         if hasattr(self, "engine"):
             extra.update(model=self.engine.info.name, max_model_len=self.engine.info.max_model_len)
         return extra
+
+    async def on_cancel(self, c: CancelRequest, _: Msg) -> None:
+        # Only a queued job is dropped here; one being computed finishes its push and the decoder, which
+        # also saw the cancel, frees the landing blocks and sends the final message.
+        for item in list(self.queue):
+            job = item[0].decode
+            if job.request_id == c.request_id and job.tenant == c.tenant:
+                self.queue.remove(item)
+                usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=0)
+                await self.b.publish(job.stream_subject, StreamFinal(
+                    request_id=job.request_id, seq=0, token_ids=[], text="", finish_reason="cancelled",
+                    usage=usage, route=job.route, prefill_worker=self.worker_id, decode_worker=job.decoder_id,
+                    decision=job.decision))
+                await self.b.publish(Subjects.finished(job.tenant), RequestFinished(
+                    request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id, status="cancelled",
+                    usage=usage, route=job.route))
+                return
 
     async def on_job(self, job: PrefillJob, msg: Msg) -> None:
         self.queue.append((job, dict(msg.headers or {})))

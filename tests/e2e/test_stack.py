@@ -152,6 +152,57 @@ def test_malformed_job_to_worker_is_dropped_and_worker_survives(stack: StackProc
     assert '"bad_message"' in stack.logs("decode-0")
 
 
+def _decoder_idle(stack: StackProc, timeout: float = 20.0) -> bool:
+    async def go() -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            hb = await _heartbeat_of(stack.nats_url, "decode-0")
+            if hb.load.active_seqs == 0 and not hb.active_requests:
+                return True
+            await asyncio.sleep(0.3)
+        return False
+    return asyncio.run(go())
+
+
+def test_cancel_mid_stream_ends_with_cancelled_and_frees_the_decoder(stack: StackProc) -> None:
+    async def go() -> tuple[str, int]:
+        async with Client(stack.nats_url) as c:
+            gen = c.generate("Write a very long story about a dragon.", chat=True, max_tokens=2000)
+            n = 0
+            async for _ in gen:
+                n += 1
+                if n == 3:
+                    await gen.cancel()
+            assert gen.result is not None
+            return gen.result.finish_reason, gen.result.usage.completion_tokens
+    reason, tokens = asyncio.run(go())
+    assert reason == "cancelled"
+    assert 3 <= tokens < 200
+    assert _decoder_idle(stack)
+
+
+def test_abandoned_stream_is_cancelled_server_side(stack: StackProc) -> None:
+    async def go() -> None:
+        async with Client(stack.nats_url) as c:
+            async for d in c.generate("Write a very long story about a castle.", chat=True, max_tokens=2000):
+                if d.seq == 2:
+                    break  # the caller walks away; the generator's cleanup cancels the request
+            await asyncio.sleep(0.5)
+    asyncio.run(go())
+    assert _decoder_idle(stack)
+
+
+def test_deadline_expires_mid_stream(stack: StackProc) -> None:
+    async def go() -> tuple[str, int]:
+        async with Client(stack.nats_url) as c:
+            r = await c.complete("Write a very long story about a ship.", chat=True, max_tokens=2000, timeout=2.0)
+            return r.finish_reason, r.usage.completion_tokens
+    reason, tokens = asyncio.run(go())
+    assert reason == "expired"
+    assert 0 < tokens < 200
+    assert _decoder_idle(stack)
+
+
 def test_worker_death_mid_request_is_a_terminal_error_then_recovers(stack: StackProc) -> None:
     async def go() -> None:
         async with Client(stack.nats_url, idle_timeout=60) as c:

@@ -63,6 +63,37 @@ def test_otlp_http_export() -> None:
         subprocess.run([sys.executable, "-c", SCRIPT], env=env, check=True, timeout=60)
     finally:
         srv.shutdown()
+    _check(got)
+
+
+def test_otlp_grpc_export() -> None:
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    got: list[ExportTraceServiceRequest] = []
+
+    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: ExportTraceServiceRequest, context: object) -> ExportTraceServiceResponse:  # noqa: N802
+            got.append(request)
+            return ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), server)  # type: ignore[no-untyped-call]
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        env = dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}",
+                   OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
+        env.pop("SPLITSERVE_TRACING", None)
+        subprocess.run([sys.executable, "-c", SCRIPT], env=env, check=True, timeout=60)
+    finally:
+        server.stop(0)
+    _check(got)
+
+
+def _check(got: list[ExportTraceServiceRequest]) -> None:
     spans = {}
     services = set()
     for req in got:
