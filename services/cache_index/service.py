@@ -118,7 +118,7 @@ class CacheIndexService(Service):
     async def _reaper(self) -> None:
         while True:
             await asyncio.sleep(0.5)
-            for wid, reason in self.registry.reap(time.monotonic()):
+            for wid, reason in self.registry.reap(time.monotonic(), observer=self.worker_id):
                 if self.index.remove_worker(wid):
                     self.log.info("worker_dropped_from_index", dropped_worker=wid, reason=reason)
 

@@ -44,7 +44,7 @@ log = get_logger("frontend.http")
 T = TypeVar("T")
 
 REQUEST_ID_HEADER = "X-Request-Id"
-PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+PROBE_PATHS = frozenset({"/healthz", "/health", "/readyz"})
 # Far above any prompt NATS can carry (max_payload 8 MiB): only stops a body from filling this process's memory.
 MAX_BODY_BYTES = 32 * 1024 * 1024
 # Used when no decode worker has announced its context length yet; decoders cap at the real one anyway.
@@ -480,6 +480,7 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
         return model_card(model_id)
 
     @app.get("/healthz")
+    @app.get("/health")  # the path vLLM serves, which load generators such as GuideLLM probe
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 

@@ -137,7 +137,7 @@ class RouterService(Service):
     async def _reaper(self) -> None:
         while True:
             await asyncio.sleep(0.25)
-            for wid, reason in self.registry.reap(time.monotonic()):
+            for wid, reason in self.registry.reap(time.monotonic(), observer=self.worker_id):
                 self.log.warning("worker_dead", dead_worker=wid, reason=reason)
                 self.policy.remove_worker(wid)
                 for inf in [i for i in self.inflight.values() if i.holder == wid]:

@@ -58,8 +58,16 @@ class WorkerRegistry:
     def live(self, role: str, now: float) -> list[Heartbeat]:
         return [st.hb for st in self.workers.values() if st.hb.role == role and self._live(st, now)]
 
-    def reap(self, now: float) -> list[tuple[str, str]]:
-        """Workers that just died (missed heartbeats or announced stop) with a reason; each reported once."""
+    def reap(self, now: float, observer: str | None = None) -> list[tuple[str, str]]:
+        """Workers that just died (missed heartbeats or announced stop) with a reason; each reported once.
+
+        ``observer``: the caller's own worker id. Its own heartbeats travel through NATS like everyone's; if
+        they look overdue too, the caller's event loop is what lagged (heartbeats are queued, unprocessed),
+        so nobody is declared dead this round.
+        """
+        me = self.workers.get(observer) if observer else None
+        if me is not None and now - me.last_seen > self.timeout_for(me):
+            return []
         dead, self._replaced = self._replaced, []
         for wid, st in self.workers.items():
             if st.dead_reason is not None or not st.was_ready:

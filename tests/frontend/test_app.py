@@ -200,6 +200,7 @@ async def test_models_health_readiness(http: httpx2.AsyncClient, backend: FakeBa
     assert (await http.get(f"/v1/models/{MODEL}")).status_code == 200
     assert (await http.get("/v1/models/other")).status_code == 404
     assert (await http.get("/healthz")).json() == {"status": "ok"}
+    assert (await http.get("/health")).json() == {"status": "ok"}
     assert (await http.get("/readyz")).status_code == 200
     backend.ready = False
     r = await http.get("/readyz")

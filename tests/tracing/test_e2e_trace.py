@@ -97,6 +97,24 @@ def test_one_trace_across_every_hop(stack: StackProc) -> None:
     assert cp.returncode == 0 and rid in cp.stdout, cp.stdout + cp.stderr
 
 
+def test_front_door_continues_the_callers_traceparent(stack: StackProc) -> None:
+    import urllib.request
+
+    assert stack.http_url
+    tid, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    req = urllib.request.Request(
+        f"{stack.http_url}/v1/completions", method="POST",
+        data=json.dumps({"prompt": "Hello", "max_tokens": 2}).encode(),
+        headers={"Content-Type": "application/json", "traceparent": f"00-{tid}-{parent}-01"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        rid = resp.headers["X-Request-Id"]
+        assert resp.status == 200
+    spans = _spans(stack, rid, {"client.generate", "router.request", "decode.stream"})
+    assert {s["trace_id"] for s in spans} == {tid}, spans
+    client = next(s for s in spans if s["name"] == "client.generate")
+    assert client["parent_id"] == parent and client["service"] == "frontend"
+
+
 def test_decoder_killed_mid_stream_shows_error_span(stack: StackProc) -> None:
     async def go() -> str:
         async with Client(stack.nats_url, idle_timeout=60) as c:
@@ -130,20 +148,3 @@ async def _heartbeat_of(url: str, worker: str) -> proto.Heartbeat:
     finally:
         await nc.close()
 
-
-def test_front_door_continues_the_callers_traceparent(stack: StackProc) -> None:
-    import urllib.request
-
-    assert stack.http_url
-    tid, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
-    req = urllib.request.Request(
-        f"{stack.http_url}/v1/completions", method="POST",
-        data=json.dumps({"prompt": "Hello", "max_tokens": 2}).encode(),
-        headers={"Content-Type": "application/json", "traceparent": f"00-{tid}-{parent}-01"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        rid = resp.headers["X-Request-Id"]
-        assert resp.status == 200
-    spans = _spans(stack, rid, {"client.generate", "router.request", "decode.stream"})
-    assert {s["trace_id"] for s in spans} == {tid}, spans
-    client = next(s for s in spans if s["name"] == "client.generate")
-    assert client["parent_id"] == parent and client["service"] == "frontend"

@@ -76,3 +76,15 @@ def test_restart_before_timeout_still_reports_the_old_death() -> None:
     dead = r.reap(0.6)
     assert len(dead) == 1 and "pid 10" in dead[0][1] and "restarted" in dead[0][1]
     assert r.reap(0.7) == []
+
+
+def test_a_lagging_observer_declares_nobody_dead() -> None:
+    r = WorkerRegistry()
+    me = Heartbeat(worker_id="router-0", role="router", seq=1, interval_ms=500, pid=1)
+    r.observe(me, now=0.0)
+    r.observe(_hb(1), now=0.0)
+    # Both silent for 5 s: the router's own heartbeats are overdue too, so its loop lagged: no verdict.
+    assert r.reap(5.0, observer="router-0") == []
+    r.observe(me.model_copy(update={"seq": 2}), now=5.1)  # the router's loop caught up; d0 is still silent
+    dead = r.reap(5.2, observer="router-0")
+    assert [d[0] for d in dead] == ["d0"]
