@@ -16,9 +16,9 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
@@ -314,3 +314,65 @@ def complete_sync(prompt: str | Sequence[dict[str, str]] | Sequence[int], *, nat
             return await c.complete(prompt, **kw)
 
     return asyncio.run(go())
+
+
+class SyncClient:
+    """Blocking client for code without an event loop: the async :class:`Client` runs on a private loop in a
+    background thread; streaming yields deltas as they arrive.
+
+        with SyncClient(tenant="search") as c:
+            for delta in c.generate("Once upon a time", max_tokens=16):
+                print(delta.text, end="")
+            print(c.complete("What is the capital of France?", chat=True).text)
+    """
+
+    def __init__(self, nats_url: str | None = None, **kw: Any) -> None:
+        import threading
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="splitserve-client", daemon=True)
+        self._thread.start()
+        self._client = Client(nats_url, **kw)
+        try:
+            self._call(self._client.connect())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate(self, prompt: str | Sequence[dict[str, str]] | Sequence[int], **kw: Any) -> Iterator[Delta]:
+        """Stream deltas. Stopping early (break) cancels the request server-side."""
+        gen = self._client.generate(prompt, **kw)
+        it = cast(AsyncGenerator[Delta, None], gen.__aiter__())
+        try:
+            while True:
+                try:
+                    yield self._call(it.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._call(it.aclose())  # runs the generation's cleanup (and cancel, if it did not finish)
+
+    def complete(self, prompt: str | Sequence[dict[str, str]] | Sequence[int], **kw: Any) -> Result:
+        return self._call(self._client.complete(prompt, **kw))  # type: ignore[no-any-return]
+
+    def cancel(self, request_id: str, **kw: Any) -> None:
+        self._call(self._client.cancel(request_id, **kw))
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            with contextlib.suppress(Exception):
+                self._call(self._client.close())
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

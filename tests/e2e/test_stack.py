@@ -203,6 +203,20 @@ def test_deadline_expires_mid_stream(stack: StackProc) -> None:
     assert _decoder_idle(stack)
 
 
+def test_sync_client_streams_completes_and_cancels_on_break(stack: StackProc) -> None:
+    from splitserve.client import SyncClient
+
+    with SyncClient(stack.nats_url) as c:
+        assert "Paris" in c.complete("What is the capital of France?", chat=True, max_tokens=16).text
+        seen = []
+        for d in c.generate("Write a very long story about a forest.", chat=True, max_tokens=2000):
+            seen.append(d.seq)
+            if len(seen) == 3:
+                break
+    assert seen == [0, 1, 2]
+    assert _decoder_idle(stack)
+
+
 def test_worker_death_mid_request_is_a_terminal_error_then_recovers(stack: StackProc) -> None:
     async def go() -> None:
         async with Client(stack.nats_url, idle_timeout=60) as c:
