@@ -57,3 +57,14 @@ def stop(*procs: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+async def heartbeat_of(url: str, worker: str, role: str = "decode") -> Heartbeat:
+    """The next heartbeat of one worker."""
+    nc = await nats.connect(url)
+    try:
+        sub = await nc.subscribe(Subjects.heartbeat(role, worker))
+        msg = await sub.next_msg(timeout=5)
+        return proto.decode(msg.data, Heartbeat)
+    finally:
+        await nc.close()

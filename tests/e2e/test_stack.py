@@ -20,6 +20,7 @@ import proto
 from splitserve import errors
 from splitserve.client import Client
 from splitserve.stackproc import StackProc, start_stack
+from tests.procs import heartbeat_of
 
 pytestmark = pytest.mark.slow
 
@@ -156,7 +157,7 @@ def _decoder_idle(stack: StackProc, timeout: float = 20.0) -> bool:
     async def go() -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            hb = await _heartbeat_of(stack.nats_url, "decode-0")
+            hb = await heartbeat_of(stack.nats_url, "decode-0")
             if hb.load.active_seqs == 0 and not hb.active_requests:
                 return True
             await asyncio.sleep(0.3)
@@ -225,7 +226,7 @@ def test_worker_death_mid_request_is_a_terminal_error_then_recovers(stack: Stack
             with pytest.raises(errors.WorkerDied) as ei:
                 async for d in gen:
                     if d.seq == 3 and not killed:
-                        hb = await _heartbeat_of(stack.nats_url, "decode-0")
+                        hb = await heartbeat_of(stack.nats_url, "decode-0")
                         assert hb.pid is not None
                         os.kill(hb.pid, signal.SIGKILL)
                         killed = True
@@ -241,13 +242,3 @@ def test_worker_death_mid_request_is_a_terminal_error_then_recovers(stack: Stack
             break
         assert time.monotonic() < deadline, cp.stderr
         time.sleep(2)
-
-
-async def _heartbeat_of(url: str, worker: str) -> proto.Heartbeat:
-    nc = await nats.connect(url)
-    try:
-        sub = await nc.subscribe(proto.Subjects.heartbeat("decode", worker))
-        msg = await sub.next_msg(timeout=5)
-        return proto.decode(msg.data, proto.Heartbeat)
-    finally:
-        await nc.close()

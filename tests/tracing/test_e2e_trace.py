@@ -15,13 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
 
-import proto
 from splitserve import errors
 from splitserve.client import Client
 from splitserve.stackproc import StackProc, start_stack
+from tests.procs import heartbeat_of
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +122,7 @@ def test_decoder_killed_mid_stream_shows_error_span(stack: StackProc) -> None:
             with pytest.raises(errors.WorkerDied):
                 async for d in gen:
                     if d.seq == 3 and not killed:
-                        hb = await _heartbeat_of(stack.nats_url, "decode-0")
+                        hb = await heartbeat_of(stack.nats_url, "decode-0")
                         assert hb.pid is not None
                         os.kill(hb.pid, signal.SIGKILL)
                         killed = True
@@ -137,14 +136,3 @@ def test_decoder_killed_mid_stream_shows_error_span(stack: StackProc) -> None:
     assert len({s["trace_id"] for s in spans}) == 1
     cp = _trace(stack, rid)
     assert cp.returncode == 0 and "ERROR" in cp.stdout and "router.fail" in cp.stdout, cp.stdout
-
-
-async def _heartbeat_of(url: str, worker: str) -> proto.Heartbeat:
-    nc = await nats.connect(url)
-    try:
-        sub = await nc.subscribe(proto.Subjects.heartbeat("decode", worker))
-        msg = await sub.next_msg(timeout=5)
-        return proto.decode(msg.data, proto.Heartbeat)
-    finally:
-        await nc.close()
-
