@@ -330,6 +330,9 @@ class RequestFinished(Message):
     usage: Usage | None = None
     error_code: ErrorCode | None = None
     route: Route | None = None
+    timings: Timings | None = None  # server-side timings, for the cluster's latency histograms
+    itl_ms: list[float] = Field(default_factory=list)  # inter-token gaps at the decoder (at most 512 kept)
+    kv_bytes: int | None = None  # KV moved from a prefiller for this request
 
 
 # ---------------------------------------------------------------------------------------------- workers

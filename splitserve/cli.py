@@ -134,6 +134,90 @@ def generate(
     raise typer.Exit(rc)
 
 
+@app.command()
+def top(
+    nats_url: str | None = NatsUrlOpt,
+    interval: float = typer.Option(1.0, "--interval", help="seconds between refreshes"),
+    once: bool = typer.Option(False, "--once", help="listen for --interval seconds, print one view, exit"),
+    as_json: bool = typer.Option(False, "--json", help="with --once: print the snapshot as JSON"),
+) -> None:
+    """Live cluster view: workers with their load and cache, queues, per-tenant rates."""
+    import nats as nats_client
+    from rich.console import Console
+    from rich.live import Live
+
+    import proto
+    from splitserve.obs.metrics import ClusterMetrics
+
+    url = discovery.resolve_nats_url(nats_url)
+    metrics = ClusterMetrics()
+
+    async def feed(msg: object) -> None:
+        data = msg.data  # type: ignore[attr-defined]
+        subject = msg.subject  # type: ignore[attr-defined]
+        try:
+            if subject.startswith("ss.hb."):
+                metrics.on_heartbeat(proto.decode(data, proto.Heartbeat))
+            else:
+                metrics.on_finished(proto.decode(data, proto.RequestFinished))
+        except proto.ProtocolError:
+            pass
+
+    async def go() -> None:
+        try:
+            nc = await nats_client.connect(url, connect_timeout=3, max_reconnect_attempts=0)
+        except Exception as exc:
+            raise errors.Unavailable(f"cannot connect to NATS at {url}: {exc}") from None
+        await nc.subscribe(proto.Subjects.HEARTBEAT_ALL, cb=feed)
+        await nc.subscribe(proto.Subjects.FINISHED_ALL, cb=feed)
+        try:
+            if once:
+                await asyncio.sleep(interval)
+                snap = metrics.snapshot()
+                if as_json:
+                    print(json.dumps(snap, indent=2))
+                else:
+                    Console().print(_top_table(snap, url))
+                return
+            with Live(_top_table(metrics.snapshot(), url), refresh_per_second=4, screen=False) as live:
+                while True:
+                    await asyncio.sleep(interval)
+                    live.update(_top_table(metrics.snapshot(), url))
+        finally:
+            await nc.close()
+
+    try:
+        asyncio.run(go())
+    except KeyboardInterrupt:
+        pass
+    except errors.SplitserveError as exc:
+        typer.echo(f"error {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _top_table(snap: dict, url: str):  # type: ignore[no-untyped-def, type-arg]
+    from rich.console import Group
+    from rich.table import Table
+
+    ratio = snap["prefix_cache_hit_ratio"]
+    hit = "-" if ratio is None else f"{ratio:.2f}"
+    w = Table(title=f"splitserve @ {url}  (rates over {snap['window_s']:.0f}s; prefix-cache hit ratio {hit})")
+    for col in ("worker", "role", "state", "active", "queued", "queued prefill tok", "free blocks",
+                "cached blocks", "prefill tok/s", "age s"):
+        w.add_column(col, justify="left" if col in ("worker", "role", "state") else "right")
+    for r in snap["workers"]:
+        tps = r["prefill_tokens_per_s"]
+        w.add_row(r["worker"], r["role"], r["state"], str(r["active"]), str(r["queued"]),
+                  str(r["queued_prefill_tokens"]), str(r["free_blocks"]), str(r["cached_blocks"]),
+                  "-" if tps is None else f"{tps:,.0f}", str(r["age_s"]))
+    t = Table(title="tenants")
+    for col in ("tenant", "requests/s", "tokens/s", "errors"):
+        t.add_column(col, justify="left" if col == "tenant" else "right")
+    for name, r in sorted(snap["tenants"].items()):
+        t.add_row(name, f"{r['requests_per_s']:.2f}", f"{r['tokens_per_s']:.1f}", str(int(r["errors"])))
+    return Group(w, t)
+
+
 _PASS = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 

@@ -70,6 +70,7 @@ class Admission:
     transfer_ms: float | None = None
     headers: dict[str, str] | None = None
     started_ms: float | None = None  # when the first worker started the job
+    kv_bytes: int | None = None  # KV bytes pushed by the prefiller
 
 
 @dataclass
@@ -81,6 +82,7 @@ class Sequence:
     text: str = ""
     seq_no: int = 0
     cached_tokens: int = 0
+    kv_bytes: int | None = None
     timings: Timings = field(default_factory=Timings)
     started: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)  # perf_counter per emitted token (ITL summary)
@@ -269,7 +271,7 @@ class DecodeService(Service):
         self.pending.append(Admission(job=done.decode, kv=kv, first_token=done.first_token,
                                       cached_tokens=done.kv.cached_tokens, prefill_ms=done.kv.prefill_ms,
                                       transfer_ms=done.kv.transfer_ms, headers=dict(msg.headers or {}),
-                                      started_ms=done.kv.started_ms))
+                                      started_ms=done.kv.started_ms, kv_bytes=done.kv.kv_bytes))
         self._wake.set()
 
     async def _lease_sweeper(self) -> None:
@@ -345,6 +347,7 @@ class DecodeService(Service):
             stop=StopChecker(job.sampling.stop, () if job.sampling.ignore_eos else self.engine.info.eos_token_ids,
                              self._max_new(job)),
             cached_tokens=adm.cached_tokens,
+            kv_bytes=adm.kv_bytes,
             timings=Timings(queue_ms=job.routed_ms - job.created_ms, dispatch_ms=started_ms - job.created_ms,
                             prefill_ms=prefill_ms,
                             transfer_ms=adm.transfer_ms),
@@ -430,10 +433,12 @@ class DecodeService(Service):
         )
         await self.b.publish(job.stream_subject, final)
         status = "ok" if reason in ("stop", "length") else reason
+        gaps = [(b - a) * 1000 for a, b in zip(seq.token_times, seq.token_times[1:], strict=False)][-512:]
         await self.b.publish(Subjects.finished(job.tenant), RequestFinished(
             request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id,
             status=status,  # type: ignore[arg-type]
-            usage=usage, route=job.route))
+            usage=usage, route=job.route, timings=seq.timings, itl_ms=[round(g, 3) for g in gaps],
+            kv_bytes=seq.kv_bytes))
         sp = self.stream_spans.pop(job.request_id, None)
         if sp is None:
             sp = trace.INVALID_SPAN

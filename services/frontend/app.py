@@ -39,12 +39,13 @@ from splitserve import errors
 from splitserve.client import Delta, Result
 from splitserve.obs import tracing
 from splitserve.obs.log import get_logger
+from splitserve.obs.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 log = get_logger("frontend.http")
 T = TypeVar("T")
 
 REQUEST_ID_HEADER = "X-Request-Id"
-PROBE_PATHS = frozenset({"/healthz", "/health", "/readyz"})
+PROBE_PATHS = frozenset({"/healthz", "/health", "/readyz", "/metrics"})
 # Far above any prompt NATS can carry (max_payload 8 MiB): only stops a body from filling this process's memory.
 MAX_BODY_BYTES = 32 * 1024 * 1024
 # Used when no decode worker has announced its context length yet; decoders cap at the real one anyway.
@@ -77,6 +78,9 @@ class Backend(Protocol):
 
     async def cancel_request(self, request_id: str) -> None:
         """The caller is gone before the request ended: stop it server-side."""
+
+    def metrics(self) -> bytes:
+        """The cluster's metrics in Prometheus text format."""
 
 
 # ---------------------------------------------------------------------------------------------- api keys
@@ -483,6 +487,10 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
     @app.get("/health")  # the path vLLM serves, which load generators such as GuideLLM probe
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/metrics", response_model=None)
+    async def metrics() -> Response:
+        return Response(backend.metrics(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/readyz", response_model=None)
     async def readyz() -> JSONResponse:

@@ -18,11 +18,12 @@ from typing import Any
 import uvicorn
 from nats.aio.msg import Msg
 
-from proto import Heartbeat, Subjects, WorkerLoad
+from proto import Heartbeat, RequestFinished, Subjects, WorkerLoad
 from services.frontend import openai_api as oa
 from services.frontend.app import Stream, create_app
 from splitserve import errors
 from splitserve.client import Client
+from splitserve.obs.metrics import ClusterMetrics
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
 
@@ -68,6 +69,7 @@ class FrontendService(Service):
         self._server: _EmbeddedServer | None = None
         self._serve_task: asyncio.Task[None] | None = None
         self._client: Client | None = None
+        self.cluster_metrics = ClusterMetrics()  # gathered here: every request's end and every heartbeat
 
     # --- lifecycle ----------------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -76,6 +78,7 @@ class FrontendService(Service):
 
     async def start(self) -> None:
         await self.b.subscribe(Subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
+        await self.b.subscribe(Subjects.FINISHED_ALL, RequestFinished, self.on_finished)
         # Bind here rather than in uvicorn: a taken port is then an exception with a clear message (uvicorn
         # would sys.exit), and port 0 tells us the real port before we announce ready.
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -119,7 +122,15 @@ class FrontendService(Service):
         return list(self.app.state.inflight)
 
     async def on_heartbeat(self, hb: Heartbeat, _: Msg) -> None:
-        self.registry.observe(hb, time.monotonic())
+        now = time.monotonic()
+        self.registry.observe(hb, now)
+        self.cluster_metrics.on_heartbeat(hb, now)
+
+    async def on_finished(self, ev: RequestFinished, _: Msg) -> None:
+        self.cluster_metrics.on_finished(ev)
+
+    def metrics(self) -> bytes:
+        return self.cluster_metrics.exposition()
 
     # --- Backend (what the HTTP layer calls) --------------------------------------------------------
     @property

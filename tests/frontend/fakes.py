@@ -68,6 +68,7 @@ class FakeStream:
 
 @dataclass
 class FakeBackend:
+    metrics_text: bytes = b"splitserve_requests_total 0.0\n"
     model: str | None = MODEL
     max_len: int | None = 8192
     ready: bool = True
@@ -76,6 +77,9 @@ class FakeBackend:
     calls: list[tuple[GenerateArgs, str, str]] = field(default_factory=list)
     streams: list[FakeStream] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+
+    def metrics(self) -> bytes:
+        return self.metrics_text
 
     @property
     def model_name(self) -> str | None:

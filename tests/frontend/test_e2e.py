@@ -183,3 +183,35 @@ def test_api_keys_401_and_tenant(stack: StackProc, model: str, tmp_path: Path) -
         assert res.usage is not None and res.usage.completion_tokens >= 1
     finally:
         stop(p)
+
+
+def test_metrics_and_top_show_the_cluster(stack: StackProc, client: openai.OpenAI, model: str) -> None:
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4)
+    deadline = time.monotonic() + 30
+    while True:
+        text = httpx2.get(f"{stack.http_url}/metrics").text
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for fam in text_string_to_metric_families(text) for s in fam.samples}
+        ttft = sum(v for (name, lab), v in samples.items()
+                   if name == "splitserve_ttft_seconds_count" and ("tenant", "default") in lab)
+        if ttft >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert ttft >= 1, text
+    assert any(name == "splitserve_worker_up" and ("worker", "decode-0") in lab and v == 1
+               for (name, lab), v in samples.items())
+    assert any(name == "splitserve_tokens_total" for name, _ in samples)
+    exe = str(Path(sys.executable).parent / "splitserve")
+    cp = subprocess.run([exe, "top", "--nats-url", stack.nats_url, "--once", "--json", "--interval", "1.5"],
+                        capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 0, cp.stderr
+    snap = json.loads(cp.stdout)
+    roles = {w["role"] for w in snap["workers"]}
+    assert {"router", "prefill", "decode"} <= roles

@@ -1,0 +1,165 @@
+"""Cluster metrics, gathered in one place from what the services already publish.
+
+Every request ends with one ``RequestFinished`` event (status, usage, server timings, inter-token gaps, KV
+bytes) and every worker heartbeats its load. :class:`ClusterMetrics` turns those into Prometheus series —
+TTFT, ITL and end-to-end histograms by tenant and route, queue wait, KV transfer bytes and seconds, token
+counters (prompt / completion / cached: the prefix-cache hit rate), errors by kind, worker load and queue
+depth — and into the snapshot ``splitserve top`` draws. No NATS here: the owner feeds it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from proto import Heartbeat, RequestFinished
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass
+class _Done:
+    t: float
+    tenant: str
+    status: str
+    tokens: int
+
+
+class ClusterMetrics:
+    def __init__(self, *, window_s: float = 10.0, stale_s: float = 5.0) -> None:
+        r = self.registry = CollectorRegistry()
+        self.window_s = window_s
+        self.stale_s = stale_s
+        lab = ["tenant", "route"]
+        self.requests = Counter("splitserve_requests_total", "Finished requests", ["tenant", "route", "status"],
+                                registry=r)
+        self.errors = Counter("splitserve_errors_total", "Requests that ended in an error, by kind", ["code"],
+                              registry=r)
+        self.tokens = Counter("splitserve_tokens_total", "Tokens by tenant and kind (prompt, completion, cached)",
+                              ["tenant", "kind"], registry=r)
+        self.ttft = Histogram("splitserve_ttft_seconds", "Time to first token (server side)", lab,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("splitserve_itl_seconds", "Inter-token latency at the decoder", lab,
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("splitserve_e2e_seconds", "Request created -> final message", lab,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("splitserve_queue_seconds", "Request created -> routed", ["tenant"],
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_bytes = Counter("splitserve_kv_transfer_bytes_total", "KV bytes pushed prefiller -> decoder",
+                                registry=r)
+        self.kv_seconds = Histogram("splitserve_kv_transfer_seconds", "KV transfer time left after prefill",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        wl = ["worker", "role"]
+        self.up = Gauge("splitserve_worker_up", "1 while the worker heartbeats as ready", wl, registry=r)
+        self.active = Gauge("splitserve_worker_active_seqs", "Sequences a worker is running", wl, registry=r)
+        self.queued = Gauge("splitserve_worker_queued_requests", "Requests queued at a worker", wl, registry=r)
+        self.queued_tokens = Gauge("splitserve_worker_queued_prefill_tokens", "Prefill tokens queued", wl,
+                                   registry=r)
+        self.free_blocks = Gauge("splitserve_worker_free_kv_blocks", "Free KV landing blocks", wl, registry=r)
+        self.cached_blocks = Gauge("splitserve_worker_cached_kv_blocks", "Prefix-cache blocks resident", wl,
+                                   registry=r)
+        self.queue_depth = Gauge("splitserve_queue_depth", "Requests queued at workers, by role", ["role"],
+                                 registry=r)
+        self.hit_ratio = Gauge("splitserve_prefix_cache_hit_ratio", "cached / prompt tokens, all requests",
+                               registry=r)
+        self._prompt = 0
+        self._cached = 0
+        self.workers: dict[str, tuple[Heartbeat, float]] = {}
+        self._recent: deque[_Done] = deque()
+
+    # --- feeding ------------------------------------------------------------------------------------------
+    def on_finished(self, ev: RequestFinished, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        route = ev.route.value if ev.route is not None else "none"
+        self.requests.labels(ev.tenant, route, ev.status).inc()
+        if ev.error_code is not None:
+            self.errors.labels(ev.error_code.value).inc()
+        completion = 0
+        if ev.usage is not None:
+            u = ev.usage
+            completion = u.completion_tokens
+            self.tokens.labels(ev.tenant, "prompt").inc(u.prompt_tokens)
+            self.tokens.labels(ev.tenant, "completion").inc(u.completion_tokens)
+            self.tokens.labels(ev.tenant, "cached").inc(u.cached_tokens)
+            self._prompt += u.prompt_tokens
+            self._cached += u.cached_tokens
+            if self._prompt:
+                self.hit_ratio.set(self._cached / self._prompt)
+        t = ev.timings
+        if t is not None:
+            if t.ttft_server_ms is not None:
+                self.ttft.labels(ev.tenant, route).observe(t.ttft_server_ms / 1000)
+            if t.total_ms is not None:
+                self.e2e.labels(ev.tenant, route).observe(t.total_ms / 1000)
+            if t.queue_ms is not None:
+                self.queue.labels(ev.tenant).observe(max(0.0, t.queue_ms) / 1000)
+            if t.transfer_ms is not None:
+                self.kv_seconds.observe(t.transfer_ms / 1000)
+        itl = self.itl.labels(ev.tenant, route)
+        for g in ev.itl_ms:
+            itl.observe(g / 1000)
+        if ev.kv_bytes:
+            self.kv_bytes.inc(ev.kv_bytes)
+        self._recent.append(_Done(now, ev.tenant, ev.status, completion))
+        self._trim(now)
+
+    def on_heartbeat(self, hb: Heartbeat, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.workers[hb.worker_id] = (hb, now)
+        w, role, load = hb.worker_id, hb.role, hb.load
+        self.up.labels(w, role).set(1 if hb.state == "ready" else 0)
+        self.active.labels(w, role).set(load.active_seqs)
+        self.queued.labels(w, role).set(load.queued_requests)
+        self.queued_tokens.labels(w, role).set(load.queued_prefill_tokens)
+        self.free_blocks.labels(w, role).set(load.free_blocks)
+        self.cached_blocks.labels(w, role).set(load.cached_blocks)
+        self._refresh(now)
+
+    def _refresh(self, now: float) -> None:
+        depth: dict[str, int] = {}
+        for wid, (hb, seen) in list(self.workers.items()):
+            if now - seen > self.stale_s or hb.state == "stopped":
+                self.up.labels(wid, hb.role).set(0)
+                if now - seen > 10 * self.stale_s:
+                    del self.workers[wid]
+                continue
+            depth[hb.role] = depth.get(hb.role, 0) + hb.load.queued_requests
+        for role, n in depth.items():
+            self.queue_depth.labels(role).set(n)
+
+    def _trim(self, now: float) -> None:
+        while self._recent and now - self._recent[0].t > self.window_s:
+            self._recent.popleft()
+
+    # --- reading ------------------------------------------------------------------------------------------
+    def exposition(self, now: float | None = None) -> bytes:
+        self._refresh(time.monotonic() if now is None else now)
+        return generate_latest(self.registry)
+
+    def snapshot(self, now: float | None = None) -> dict[str, Any]:
+        """What ``splitserve top`` shows: live workers with their load, and recent rates."""
+        now = time.monotonic() if now is None else now
+        self._trim(now)
+        span = self.window_s
+        tenants: dict[str, dict[str, float]] = {}
+        for d in self._recent:
+            t = tenants.setdefault(d.tenant, {"requests_per_s": 0.0, "tokens_per_s": 0.0, "errors": 0.0})
+            t["requests_per_s"] += 1 / span
+            t["tokens_per_s"] += d.tokens / span
+            t["errors"] += d.status == "error"
+        workers = []
+        for wid, (hb, seen) in sorted(self.workers.items(), key=lambda kv: (kv[1][0].role, kv[0])):
+            live = now - seen <= self.stale_s and hb.state == "ready"
+            workers.append({"worker": wid, "role": hb.role, "state": hb.state if live else "silent",
+                            "active": hb.load.active_seqs, "queued": hb.load.queued_requests,
+                            "queued_prefill_tokens": hb.load.queued_prefill_tokens,
+                            "free_blocks": hb.load.free_blocks, "cached_blocks": hb.load.cached_blocks,
+                            "prefill_tokens_per_s": hb.load.prefill_tokens_per_s, "age_s": round(now - seen, 1)})
+        return {"workers": workers, "tenants": tenants, "window_s": span,
+                "prefix_cache_hit_ratio": self._cached / self._prompt if self._prompt else None}
