@@ -71,6 +71,12 @@ class NatsServer:
     port: int
     config: Path
 
+    def restart(self) -> None:
+        """Start it again with the same config (same port, same JetStream store) after a stop."""
+        self.stop()
+        self.proc = subprocess.Popen([nats_server_binary(), "-c", str(self.config)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.STDOUT, preexec_fn=child_preexec)
+
     def stop(self, timeout: float = 5.0) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
