@@ -30,6 +30,7 @@ from proto import (
     Accepted,
     CancelRequest,
     ChatMessage,
+    ErrorCode,
     GenerateRequest,
     SamplingParams,
     StreamDelta,
@@ -126,10 +127,23 @@ class Generation:
             self.accepted = reply
             expected = 0
             early: dict[int, Any] = {}
+            gap_since: float | None = None  # a later message arrived while an earlier one is missing
             while True:
+                # Whatever is still buffered waits behind a missing message.
+                gap_since = (gap_since or time.perf_counter()) if early else None
+                wait = c.idle_timeout
+                if gap_since is not None:
+                    wait = max(0.05, c.gap_timeout - (time.perf_counter() - gap_since))
                 try:
-                    raw = await sub.next_msg(timeout=c.idle_timeout)
+                    raw = await sub.next_msg(timeout=wait)
                 except (NatsTimeout, TimeoutError):
+                    if gap_since is not None:
+                        # Core NATS drops what is published while a connection is down: say so now
+                        # rather than wait out the idle timeout for a message that will never come.
+                        raise errors.SplitserveError(
+                            f"the stream of request {req.request_id} lost message seq {expected} (the "
+                            f"connection to NATS was interrupted?); retry the request",
+                            code=ErrorCode.INTERNAL, request_id=req.request_id, retryable=True) from None
                     raise errors.Timeout(
                         f"no token for request {req.request_id} within {c.idle_timeout:.0f}s",
                         request_id=req.request_id) from None
@@ -204,6 +218,7 @@ class Client:
         password: str | None = None,
         accept_timeout: float = 30.0,
         idle_timeout: float = 120.0,
+        gap_timeout: float = 5.0,
         bus: Bus | None = None,
     ) -> None:
         proto.subjects.check_token(tenant, "tenant")
@@ -213,6 +228,7 @@ class Client:
         self.password = password
         self.accept_timeout = accept_timeout
         self.idle_timeout = idle_timeout
+        self.gap_timeout = gap_timeout  # how long a missing stream message may stay missing
         # A service that already holds a connection (the HTTP front door) lends it: one connection per
         # process, and the lender, not this client, closes it.
         self._bus: Bus | None = bus

@@ -1,0 +1,64 @@
+"""The client's stream handling against a scripted responder on a real nats-server: out-of-order messages
+are released in order; a message that never arrives (lost while a connection was down) becomes a prompt,
+precise error instead of a wait for the idle timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import pytest
+
+import proto
+from proto import Accepted, GenerateRequest, Route, StreamDelta, StreamFinal, Usage
+from splitserve import errors
+from splitserve.client import Client
+from splitserve.natsserver import NatsServer
+
+
+async def _responder(url: str, seqs: list[int]) -> nats.NATS:
+    """Answers every request with Accepted, then publishes the stream messages in the given seq order."""
+    nc = await nats.connect(url)
+
+    async def on_req(msg: object) -> None:
+        req = proto.decode(msg.data, GenerateRequest)  # type: ignore[attr-defined]
+        await nc.publish(msg.reply, proto.encode(Accepted(request_id=req.request_id, router_id="t",  # type: ignore[attr-defined]
+                                                          prompt_tokens=1)))
+        for seq in seqs:
+            if seq < 3:
+                m: object = StreamDelta(request_id=req.request_id, seq=seq, token_ids=[seq], text=f"t{seq}")
+            else:
+                m = StreamFinal(request_id=req.request_id, seq=seq, token_ids=[0, 1, 2], text="t0t1t2",
+                                finish_reason="length", usage=Usage(prompt_tokens=1, completion_tokens=3),
+                                route=Route.DIRECT, prefill_worker=None, decode_worker="d")
+            await nc.publish(req.stream_subject, proto.encode(m))  # type: ignore[arg-type]
+
+    await nc.subscribe("ss.req.acme", cb=on_req)
+    return nc
+
+
+async def test_out_of_order_messages_are_released_in_order(nats_server: NatsServer) -> None:
+    nc = await _responder(nats_server.url, [0, 2, 1, 3])
+    try:
+        async with Client(nats_server.url, tenant="acme") as c:
+            gen = c.generate("x", max_tokens=3)
+            seen = [d.seq async for d in gen]
+        assert seen == [0, 1, 2]
+        assert gen.result is not None and gen.result.text == "t0t1t2"
+    finally:
+        await nc.close()
+
+
+async def test_a_lost_stream_message_is_a_prompt_precise_error(nats_server: NatsServer) -> None:
+    nc = await _responder(nats_server.url, [0, 2, 3])  # seq 1 never comes
+    try:
+        async with Client(nats_server.url, tenant="acme", gap_timeout=0.5, idle_timeout=60) as c:
+            t0 = time.monotonic()
+            with pytest.raises(errors.SplitserveError) as ei:
+                await c.complete("x", max_tokens=3)
+            assert time.monotonic() - t0 < 10  # not the 60 s idle timeout
+        assert "lost message seq 1" in ei.value.message and ei.value.retryable
+    finally:
+        await nc.close()
+        await asyncio.sleep(0)
