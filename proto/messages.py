@@ -141,6 +141,9 @@ class GenerateRequest(Message):
     priority: int = Field(default=0, ge=0, le=9)  # 0 = most urgent class within the tenant
     # "auto" lets the router's threshold decide; the others force a path (debugging, benchmarks).
     route: Literal["auto", "direct", "disaggregated"] = "auto"
+    # False: no deltas, only the terminal message (non-streaming callers and async jobs, whose stream subject
+    # is their result subject).
+    stream: bool = True
 
     @field_validator("request_id")
     @classmethod
@@ -193,6 +196,7 @@ class DecodeJob(Message):
     routed_ms: float = Field(default_factory=now_ms)
     deadline_ms: float | None = None
     decision: dict[str, Any] = Field(default_factory=dict)  # the routing decision record
+    stream: bool = True  # publish deltas (False: only the terminal message)
 
 
 class PrefillJob(Message):

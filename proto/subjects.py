@@ -4,6 +4,8 @@ Layout (``ss`` is the product prefix; ``{tenant}`` and ``{worker}`` are single t
 
   ss.req.{tenant}                 client -> router, request/reply: GenerateRequest -> Accepted | ErrorMessage
   ss.stream.{tenant}.{request}    decoder/router -> client: StreamDelta*, then StreamFinal | StreamError
+  ss.result.{tenant}.{request}    workers -> async-job owner: the terminal message of a submitted job, kept in
+                                  the SS_RESULTS JetStream stream for a TTL (fetched later by id)
   ss.prefill.{worker}.job         router -> prefiller: PrefillJob
   ss.decode.{worker}.job          router -> decoder: DecodeJob (direct path, decoder prefills locally)
   ss.decode.{worker}.reserve      prefiller -> decoder, request/reply: KvReserveRequest -> KvReserveReply
@@ -46,6 +48,13 @@ class Subjects:
     @staticmethod
     def stream(tenant: str, request_id: str) -> str:
         return f"ss.stream.{check_token(tenant, 'tenant')}.{check_token(request_id, 'request id')}"
+
+    @staticmethod
+    def result(tenant: str, request_id: str) -> str:
+        return f"ss.result.{check_token(tenant, 'tenant')}.{check_token(request_id, 'request id')}"
+
+    RESULTS_ALL = "ss.result.>"
+    RESULTS_STREAM = "SS_RESULTS"  # JetStream stream keeping async jobs' terminal messages for a TTL
 
     @staticmethod
     def prefill_job(worker: str) -> str:

@@ -135,6 +135,64 @@ def generate(
 
 
 @app.command()
+def submit(
+    prompt: str = typer.Argument(..., help="the prompt ('-' reads it from stdin)"),
+    nats_url: str | None = NatsUrlOpt,
+    tenant: str = typer.Option("default", "--tenant"),
+    max_tokens: int = typer.Option(128, "--max-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    seed: int | None = typer.Option(None, "--seed"),
+    chat: bool = typer.Option(False, "--chat"),
+    timeout: float | None = typer.Option(None, "--timeout", help="deadline in seconds"),
+) -> None:
+    """Submit an async job: prints its request id at once; fetch the result later with `result`."""
+    from splitserve.client import Client
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+
+    async def go() -> str:
+        async with Client(nats_url, tenant=tenant) as c:
+            return await c.submit(prompt, chat=chat, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                  timeout=timeout)
+
+    try:
+        print(asyncio.run(go()))
+    except errors.SplitserveError as exc:
+        typer.echo(f"error {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def result(
+    request_id: str = typer.Argument(...),
+    nats_url: str | None = NatsUrlOpt,
+    tenant: str = typer.Option("default", "--tenant"),
+    wait: float = typer.Option(0.0, "--wait", help="seconds to wait for a job still running"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """A submitted job's result (exit code 3 while it is still running)."""
+    from splitserve.client import Client
+
+    async def go() -> object:
+        async with Client(nats_url, tenant=tenant) as c:
+            return await c.result(request_id, wait=wait)
+
+    try:
+        res = asyncio.run(go())
+    except errors.SplitserveError as exc:
+        if as_json:
+            print(json.dumps({"type": "error", "code": exc.code.value, "message": exc.message,
+                              "request_id": exc.request_id}))
+        typer.echo(f"error {exc}", err=True)
+        raise typer.Exit(2) from None
+    if res is None:
+        typer.echo(f"{request_id}: pending (or unknown, or expired from the results store)", err=True)
+        raise typer.Exit(3)
+    print(json.dumps({"type": "final", **res.to_dict()}) if as_json else res.text)  # type: ignore[attr-defined]
+
+
+@app.command()
 def top(
     nats_url: str | None = NatsUrlOpt,
     interval: float = typer.Option(1.0, "--interval", help="seconds between refreshes"),

@@ -76,6 +76,15 @@ class Result:
         }
 
 
+def _to_result(final: StreamFinal, *, ttft_ms: float | None, total_ms: float) -> Result:
+    return Result(
+        request_id=final.request_id, text=final.text, token_ids=list(final.token_ids),
+        finish_reason=final.finish_reason, usage=final.usage, route=final.route.value,
+        prefill_worker=final.prefill_worker, decode_worker=final.decode_worker, ttft_ms=ttft_ms,
+        total_ms=total_ms, timings=final.timings, decision=final.decision,
+    )
+
+
 class Generation:
     """One streaming request. Async-iterate for deltas; ``result`` is set when the stream ends."""
 
@@ -111,19 +120,7 @@ class Generation:
             "max_tokens": req.sampling.max_tokens})
         try:
             with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
-                try:
-                    reply = await bus.request(proto.Subjects.request(req.tenant), req, Accepted,
-                                              timeout=c.accept_timeout)
-                except _BusPayloadTooLarge as exc:
-                    raise errors.PayloadTooLarge(str(exc), request_id=req.request_id) from None
-                except NoRespondersError:
-                    raise errors.Unavailable(f"no router is serving requests at {c.nats_url}",
-                                             request_id=req.request_id) from None
-                except (NatsTimeout, TimeoutError):
-                    raise errors.Timeout(f"no router answered within {c.accept_timeout:.0f}s",
-                                         request_id=req.request_id) from None
-            if isinstance(reply, StreamError):
-                raise errors.from_wire(reply)
+                reply = await c._send(req)
             self.accepted = reply
             expected = 0
             early: dict[int, Any] = {}
@@ -167,13 +164,7 @@ class Generation:
                         yield Delta(request_id=item.request_id, seq=item.seq, text=item.text,
                                     token_ids=list(item.token_ids))
                     elif isinstance(item, StreamFinal):
-                        self.result = Result(
-                            request_id=item.request_id, text=item.text, token_ids=list(item.token_ids),
-                            finish_reason=item.finish_reason, usage=item.usage, route=item.route.value,
-                            prefill_worker=item.prefill_worker, decode_worker=item.decode_worker,
-                            ttft_ms=ttft, total_ms=(time.perf_counter() - t0) * 1000, timings=item.timings,
-                            decision=item.decision,
-                        )
+                        self.result = _to_result(item, ttft_ms=ttft, total_ms=(time.perf_counter() - t0) * 1000)
                         tracing.set_attrs(span, route=item.route.value, finish_reason=item.finish_reason,
                                           completion_tokens=item.usage.completion_tokens,
                                           cached_tokens=item.usage.cached_tokens,
@@ -271,7 +262,65 @@ class Client:
             raise RuntimeError("Client is not connected: use 'async with Client(...)' or await connect()")
         return self._bus
 
-    def generate(
+    def generate(self, prompt: str | Sequence[dict[str, str]] | Sequence[int], **kw: Any) -> Generation:
+        """Start a streaming request. ``prompt`` is text (``chat=True`` wraps it as one user message), a list of
+        chat messages (``{"role", "content"}``), or a list of token ids. Options: ``max_tokens``,
+        ``temperature``, ``top_p``, ``seed``, ``stop``, ``session_id``, ``request_id``, ``timeout`` (a
+        deadline in seconds), ``priority``, ``route``, and ``tenant`` (overrides the client's own for this
+        request: a gateway serving many tenants over one connection)."""
+        return Generation(self, self._build(prompt, **kw))
+
+    async def submit(self, prompt: str | Sequence[dict[str, str]] | Sequence[int], **kw: Any) -> str:
+        """An async job: returns the request id as soon as the router accepted it. The result is kept (per
+        tenant, for the router's results TTL) on ``ss.result.{tenant}.{id}``: fetch it with :meth:`result`,
+        or subscribe to that subject to have it delivered."""
+        req = self._build(prompt, async_job=True, **kw)
+        await self._send(req)
+        return req.request_id
+
+    async def result(self, request_id: str, *, tenant: str | None = None, wait: float = 0.0) -> Result | None:
+        """A submitted job's result: None while it is still running (after waiting up to ``wait`` seconds);
+        raises the job's typed error if it failed."""
+        from nats.js.errors import NotFoundError
+
+        js = self._require().nc.jetstream()
+        subject = proto.Subjects.result(tenant or self.tenant, request_id)
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                raw = await js.get_last_msg(proto.Subjects.RESULTS_STREAM, subject)
+            except NotFoundError:
+                if time.monotonic() >= deadline:
+                    return None
+                await asyncio.sleep(min(0.25, max(0.01, deadline - time.monotonic())))
+                continue
+            msg = proto.decode_stream(raw.data or b"")
+            if isinstance(msg, StreamError):
+                raise errors.from_wire(msg)
+            if isinstance(msg, StreamFinal):
+                return _to_result(msg, ttft_ms=None, total_ms=msg.timings.total_ms or 0.0)
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(0.25)
+
+    async def _send(self, req: GenerateRequest) -> Accepted:
+        """Hand a request to a router: Accepted, or the precise reason it was not."""
+        try:
+            reply = await self._require().request(proto.Subjects.request(req.tenant), req, Accepted,
+                                                  timeout=self.accept_timeout)
+        except _BusPayloadTooLarge as exc:
+            raise errors.PayloadTooLarge(str(exc), request_id=req.request_id) from None
+        except NoRespondersError:
+            raise errors.Unavailable(f"no router is serving requests at {self.nats_url}",
+                                     request_id=req.request_id) from None
+        except (NatsTimeout, TimeoutError):
+            raise errors.Timeout(f"no router answered within {self.accept_timeout:.0f}s",
+                                 request_id=req.request_id) from None
+        if isinstance(reply, StreamError):
+            raise errors.from_wire(reply)
+        return reply
+
+    def _build(
         self,
         prompt: str | Sequence[dict[str, str]] | Sequence[int],
         *,
@@ -287,10 +336,8 @@ class Client:
         priority: int = 0,
         route: Literal["auto", "direct", "disaggregated"] = "auto",
         tenant: str | None = None,
-    ) -> Generation:
-        """Start a streaming request. ``prompt`` is text (``chat=True`` wraps it as one user message),
-        a list of chat messages (``{"role", "content"}``), or a list of token ids. ``tenant`` overrides the
-        client's own for this request (a gateway serving many tenants over one connection)."""
+        async_job: bool = False,
+    ) -> GenerateRequest:
         rid = request_id or uuid.uuid4().hex
         tenant = self.tenant if tenant is None else tenant
         fields: dict[str, Any] = {}
@@ -308,13 +355,14 @@ class Client:
                 request_id=rid, tenant=tenant,
                 sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                         stop=list(stop)),
-                session_id=session_id, stream_subject=proto.Subjects.stream(tenant, rid),
+                session_id=session_id,
+                stream_subject=(proto.Subjects.result if async_job else proto.Subjects.stream)(tenant, rid),
                 deadline_ms=None if timeout is None else proto.now_ms() + timeout * 1000, priority=priority,
-                route=route, **fields,
+                route=route, stream=not async_job, **fields,
             )
         except ValueError as exc:
             raise errors.BadRequest(str(exc), request_id=rid) from None
-        return Generation(self, req)
+        return req
 
     async def complete(self, prompt: str | Sequence[dict[str, str]] | Sequence[int], **kw: Any) -> Result:
         """Non-streaming: wait for the whole result."""
@@ -376,6 +424,12 @@ class SyncClient:
 
     def cancel(self, request_id: str, **kw: Any) -> None:
         self._call(self._client.cancel(request_id, **kw))
+
+    def submit(self, prompt: str | Sequence[dict[str, str]] | Sequence[int], **kw: Any) -> str:
+        return self._call(self._client.submit(prompt, **kw))  # type: ignore[no-any-return]
+
+    def result(self, request_id: str, **kw: Any) -> Result | None:
+        return self._call(self._client.result(request_id, **kw))  # type: ignore[no-any-return]
 
     def close(self) -> None:
         if self._loop.is_running():

@@ -412,7 +412,7 @@ class DecodeService(Service):
         if reason == "length":
             text += seq.detok.flush()  # release a character still waiting for bytes that will never come
         seq.text += text
-        if text or reason is None:
+        if job.stream and (text or reason is None):
             await self.b.publish(job.stream_subject, StreamDelta(request_id=job.request_id, seq=seq.seq_no,
                                                                  token_ids=[token], text=text))
             seq.seq_no += 1

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import structlog
 from nats.aio.msg import Msg
+from nats.js.api import DiscardPolicy, StreamConfig
 from opentelemetry import trace
 from opentelemetry.trace import SpanContext
 
@@ -69,6 +70,7 @@ class RouterService(Service):
         no_worker_wait_s: float = 5.0,
         max_inflight: int = 1024,
         max_stall_ms: float | None = 250.0,
+        results_ttl_s: float = 86400.0,
         decoder_prefill_tps: float = 800.0,
         **kw: object,
     ) -> None:
@@ -76,6 +78,7 @@ class RouterService(Service):
         self.model = model
         self.strategy_name = strategy
         self.disagg_threshold = disagg_threshold
+        self.results_ttl_s = results_ttl_s
         # Direct prefill on a decoder pauses its other streams: above this pause, use a prefiller instead.
         self.disagg = DisaggPolicy(min_uncached_tokens=disagg_threshold, max_stall_ms=max_stall_ms,
                                    decoder_prefill_tokens_per_s=decoder_prefill_tps)
@@ -87,6 +90,15 @@ class RouterService(Service):
 
     async def setup(self) -> None:
         from services.router.tokenize import PromptTokenizer
+
+        # Async jobs' results are kept (per tenant subject, with a TTL) in JetStream for later fetching.
+        js = self.b.nc.jetstream()
+        cfg = StreamConfig(name=Subjects.RESULTS_STREAM, subjects=[Subjects.RESULTS_ALL],
+                           max_age=self.results_ttl_s, max_bytes=1 << 30, discard=DiscardPolicy.OLD)
+        try:
+            await js.add_stream(cfg)
+        except Exception:
+            await js.update_stream(cfg)
 
         self.tokenizer = await asyncio.to_thread(PromptTokenizer, self.model)
         # The router always keeps an in-process replica of the cache index, fed by the workers' own KV
@@ -240,7 +252,7 @@ class RouterService(Service):
             request_id=req.request_id, tenant=req.tenant, prompt_token_ids=ids, sampling=req.sampling,
             stream_subject=req.stream_subject, route=route, decoder_id=decision.decoder,
             prefill_worker=decision.prefiller, created_ms=req.created_ms, routed_ms=now_ms(),
-            deadline_ms=req.deadline_ms, decision=decision.to_dict(),
+            deadline_ms=req.deadline_ms, decision=decision.to_dict(), stream=req.stream,
         )
         inf = Inflight(request_id=req.request_id, tenant=req.tenant, stream_subject=req.stream_subject,
                        decoder=decision.decoder, prefiller=decision.prefiller,

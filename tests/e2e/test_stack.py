@@ -218,6 +218,30 @@ def test_sync_client_streams_completes_and_cancels_on_break(stack: StackProc) ->
     assert _decoder_idle(stack)
 
 
+def test_submit_then_result(stack: StackProc) -> None:
+    async def go() -> None:
+        async with Client(stack.nats_url, tenant="jobs") as c:
+            rid = await c.submit("What is the capital of France?", chat=True, max_tokens=16)
+            res = await c.result(rid, wait=120)
+            assert res is not None and "Paris" in res.text and res.finish_reason in ("stop", "length")
+            assert res.usage.completion_tokens == len(res.token_ids)
+            assert await c.result("no-such-job") is None
+            assert await c.result(rid, tenant="other") is None  # results are kept per tenant
+    asyncio.run(go())
+    cp = subprocess.run([SPLITSERVE, "submit", "--nats-url", stack.nats_url, "--max-tokens", "4", "Hello"],
+                        capture_output=True, text=True, timeout=120)
+    assert cp.returncode == 0, cp.stderr
+    rid = cp.stdout.strip()
+    cp = subprocess.run([SPLITSERVE, "result", "--nats-url", stack.nats_url, "--wait", "120", "--json", rid],
+                        capture_output=True, text=True, timeout=180)
+    assert cp.returncode == 0, cp.stderr
+    final = json.loads(cp.stdout)
+    assert final["request_id"] == rid and len(final["token_ids"]) == 4
+    cp = subprocess.run([SPLITSERVE, "result", "--nats-url", stack.nats_url, "nope"], capture_output=True,
+                        text=True, timeout=60)
+    assert cp.returncode == 3
+
+
 def test_worker_death_mid_request_is_a_terminal_error_then_recovers(stack: StackProc) -> None:
     async def go() -> None:
         async with Client(stack.nats_url, idle_timeout=60) as c:
