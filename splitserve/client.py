@@ -122,28 +122,45 @@ class Generation:
             with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
                 reply = await c._send(req)
             self.accepted = reply
-            expected = 0
+            expected = 0  # next seq to release
+            emitted_text, emitted_tokens = 0, 0  # how much of the output has been yielded
             early: dict[int, Any] = {}
             gap_since: float | None = None  # a later message arrived while an earlier one is missing
+            last_msg = time.perf_counter()
+            seen_reconnects = bus.reconnects
             while True:
                 # Whatever is still buffered waits behind a missing message.
                 gap_since = (gap_since or time.perf_counter()) if early else None
-                wait = c.idle_timeout
+                now = time.perf_counter()
+                wait = c.idle_timeout - (now - last_msg)
                 if gap_since is not None:
-                    wait = max(0.05, c.gap_timeout - (time.perf_counter() - gap_since))
+                    wait = min(wait, c.gap_timeout - (now - gap_since))
                 try:
-                    raw = await sub.next_msg(timeout=wait)
+                    # In slices, so a reconnect is noticed while waiting.
+                    raw = await sub.next_msg(timeout=max(0.05, min(wait, 1.0)))
                 except (NatsTimeout, TimeoutError):
-                    if gap_since is not None:
+                    if bus.reconnects != seen_reconnects:
+                        # The connection came back: what was published meanwhile is gone. Re-send the same
+                        # request (idempotent: a router still running it re-accepts it, one that lost it runs
+                        # it); the final message carries the whole output, so missed deltas are recovered.
+                        seen_reconnects = bus.reconnects
+                        await c._send(req)
+                        gap_since, last_msg = None, time.perf_counter()
+                        continue
+                    now = time.perf_counter()
+                    if gap_since is not None and now - gap_since >= c.gap_timeout:
                         # Core NATS drops what is published while a connection is down: say so now
                         # rather than wait out the idle timeout for a message that will never come.
                         raise errors.SplitserveError(
                             f"the stream of request {req.request_id} lost message seq {expected} (the "
                             f"connection to NATS was interrupted?); retry the request",
                             code=ErrorCode.INTERNAL, request_id=req.request_id, retryable=True) from None
-                    raise errors.Timeout(
-                        f"no token for request {req.request_id} within {c.idle_timeout:.0f}s",
-                        request_id=req.request_id) from None
+                    if now - last_msg >= c.idle_timeout:
+                        raise errors.Timeout(
+                            f"no token for request {req.request_id} within {c.idle_timeout:.0f}s",
+                            request_id=req.request_id) from None
+                    continue
+                last_msg = time.perf_counter()
                 try:
                     msg = proto.decode_stream(raw.data)
                 except proto.ProtocolError as exc:
@@ -152,8 +169,14 @@ class Generation:
                 if isinstance(msg, StreamError):
                     self._server_ended = True
                     raise errors.from_wire(msg)
-                # Deltas and the final carry consecutive seq numbers; reorder defensively.
-                early[msg.seq] = msg
+                if isinstance(msg, StreamFinal) and msg.seq > expected:
+                    # Deltas went missing but the final holds everything: release the rest as one delta.
+                    early = {expected: StreamDelta(request_id=msg.request_id, seq=expected,
+                                                   token_ids=list(msg.token_ids[emitted_tokens:]),
+                                                   text=msg.text[emitted_text:]),
+                             expected + 1: msg}
+                else:
+                    early[msg.seq] = msg  # deltas and the final carry consecutive seq numbers
                 while expected in early:
                     item = early.pop(expected)
                     expected += 1
@@ -161,6 +184,8 @@ class Generation:
                         if ttft is None:
                             ttft = (time.perf_counter() - t0) * 1000
                             span.set_attribute("ttft_ms", round(ttft, 2))
+                        emitted_text += len(item.text)
+                        emitted_tokens += len(item.token_ids)
                         yield Delta(request_id=item.request_id, seq=item.seq, text=item.text,
                                     token_ids=list(item.token_ids))
                     elif isinstance(item, StreamFinal):

@@ -201,12 +201,21 @@ class RouterService(Service):
 
     async def _handle(self, req: GenerateRequest, msg: Msg, sp: trace.Span) -> None:
         log = self.log.bind(request_id=req.request_id, tenant=req.tenant)
+        dup = self.inflight.get(req.request_id)
+        if dup is not None:
+            # Idempotent: a client that reconnected re-sends its request; it is the same request, so accept it
+            # again (it keeps streaming on the same subject) instead of running it twice.
+            if dup.tenant == req.tenant:
+                log.info("duplicate_request_reattached")
+                await self.b.respond(msg, Accepted(request_id=req.request_id, router_id=self.worker_id,
+                                                   prompt_tokens=0))
+            else:
+                await self._reject(req, msg, ErrorCode.BAD_REQUEST,
+                                   f"request id {req.request_id} is in use by another tenant")
+            return
         if len(self.inflight) >= self.max_inflight:
             await self._reject(req, msg, ErrorCode.BUSY, f"router {self.worker_id} has {self.max_inflight} "
                                "requests in flight; retry later")
-            return
-        if req.request_id in self.inflight:
-            await self._reject(req, msg, ErrorCode.BAD_REQUEST, f"request id {req.request_id} is already in flight")
             return
         try:
             ids = self.tokenizer.token_ids(req)

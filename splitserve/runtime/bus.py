@@ -40,6 +40,7 @@ class Bus:
     def __init__(self, nc: NATS, name: str) -> None:
         self.nc = nc
         self.name = name
+        self._reconnects = [0]
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @classmethod
@@ -60,7 +61,10 @@ class Bus:
             if not nc.is_closed and not nc.is_draining:
                 log.warning("nats_disconnected")
 
+        reconnects = [0]
+
         async def on_reconnect() -> None:
+            reconnects[0] += 1
             log.info("nats_reconnected")
 
         nc = NATS()
@@ -85,7 +89,14 @@ class Bus:
             with contextlib.suppress(Exception):
                 await nc.close()
             raise
-        return cls(nc, name)
+        bus = cls(nc, name)
+        bus._reconnects = reconnects
+        return bus
+
+    @property
+    def reconnects(self) -> int:
+        """How many times the connection was re-established (requests in flight may have lost messages)."""
+        return self._reconnects[0]
 
     @property
     def max_payload(self) -> int:

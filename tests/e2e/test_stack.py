@@ -242,6 +242,24 @@ def test_submit_then_result(stack: StackProc) -> None:
     assert cp.returncode == 3
 
 
+def test_a_resent_request_is_reaccepted_not_run_twice(stack: StackProc) -> None:
+    async def go() -> list[int]:
+        async with Client(stack.nats_url) as c:
+            gen = c.generate("Write a short story about a fox.", chat=True, max_tokens=24, request_id="dup-req-1")
+            it = gen.__aiter__()
+            seqs = [(await it.__anext__()).seq]
+            accepted = await c._send(gen.request)  # what a client re-sends after a reconnect
+            assert accepted.request_id == "dup-req-1"
+            seqs += [d.seq async for d in it]
+            assert gen.result is not None and gen.result.usage.completion_tokens == 24
+            return seqs
+    assert asyncio.run(go()) == list(range(24))
+    assert stack.logs("router-0").count('"duplicate_request_reattached"') == 1
+    assert stack.logs("decode-0").count('"request_id": "dup-req-1"') >= 1
+    finished = [ln for ln in stack.logs("decode-0").splitlines() if '"finished"' in ln and "dup-req-1" in ln]
+    assert len(finished) == 1  # decoded once
+
+
 def test_worker_death_mid_request_is_a_terminal_error_then_recovers(stack: StackProc) -> None:
     async def go() -> None:
         async with Client(stack.nats_url, idle_timeout=60) as c:

@@ -50,8 +50,22 @@ async def test_out_of_order_messages_are_released_in_order(nats_server: NatsServ
         await nc.close()
 
 
+async def test_lost_deltas_are_recovered_from_the_final(nats_server: NatsServer) -> None:
+    nc = await _responder(nats_server.url, [0, 2, 3])  # seq 1 never comes, the final does
+    try:
+        async with Client(nats_server.url, tenant="acme", gap_timeout=30) as c:
+            gen = c.generate("x", max_tokens=3)
+            deltas = [d async for d in gen]
+        assert [d.seq for d in deltas] == [0, 1]
+        assert "".join(d.text for d in deltas) == "t0t1t2"  # the catch-up delta carries what was missed
+        assert [t for d in deltas for t in d.token_ids] == [0, 1, 2]
+        assert gen.result is not None and gen.result.text == "t0t1t2"
+    finally:
+        await nc.close()
+
+
 async def test_a_lost_stream_message_is_a_prompt_precise_error(nats_server: NatsServer) -> None:
-    nc = await _responder(nats_server.url, [0, 2, 3])  # seq 1 never comes
+    nc = await _responder(nats_server.url, [0, 2])  # seq 1 never comes, nor the final
     try:
         async with Client(nats_server.url, tenant="acme", gap_timeout=0.5, idle_timeout=60) as c:
             t0 = time.monotonic()
@@ -62,3 +76,32 @@ async def test_a_lost_stream_message_is_a_prompt_precise_error(nats_server: Nats
     finally:
         await nc.close()
         await asyncio.sleep(0)
+
+
+async def test_reconnect_resends_the_request_idempotently(fresh_nats: NatsServer) -> None:
+    seen: list[str] = []
+    nc = await nats.connect(fresh_nats.url, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
+
+    async def on_req(msg: object) -> None:
+        req = proto.decode(msg.data, GenerateRequest)  # type: ignore[attr-defined]
+        seen.append(req.request_id)
+        await nc.publish(msg.reply, proto.encode(Accepted(request_id=req.request_id, router_id="t",  # type: ignore[attr-defined]
+                                                          prompt_tokens=1)))
+        if len(seen) == 2:  # only the re-sent request gets its (whole) answer
+            await nc.publish(req.stream_subject, proto.encode(StreamFinal(
+                request_id=req.request_id, seq=0, token_ids=[7], text="ok", finish_reason="length",
+                usage=Usage(prompt_tokens=1, completion_tokens=1), route=Route.DIRECT, prefill_worker=None,
+                decode_worker="d")))
+
+    await nc.subscribe("ss.req.acme", cb=on_req)
+    try:
+        async with Client(fresh_nats.url, tenant="acme", idle_timeout=60) as c:
+            task = asyncio.create_task(c.complete("x", max_tokens=1))
+            while not seen:
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(fresh_nats.restart)  # the answer to the first send would be lost
+            res = await asyncio.wait_for(task, 45)
+        assert res.text == "ok"
+        assert len(seen) == 2 and seen[0] == seen[1]  # the same request id, sent again after the reconnect
+    finally:
+        await nc.close()
