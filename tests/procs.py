@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,6 +15,8 @@ import nats
 
 import proto
 from proto import Heartbeat, Subjects
+from splitserve import errors
+from splitserve.client import Client
 
 
 def spawn_service(module: str, *args: str, nats_url: str, worker_id: str, log_dir: Path) -> subprocess.Popen[bytes]:
@@ -68,3 +71,21 @@ async def heartbeat_of(url: str, worker: str, role: str = "decode") -> Heartbeat
         return proto.decode(msg.data, Heartbeat)
     finally:
         await nc.close()
+
+
+async def kill_worker_mid_stream(client: Client, url: str, worker: str = "decode-0",
+                                 role: str = "decode") -> tuple[str, errors.SplitserveError]:
+    """Start a long generation and SIGKILL the worker at its fourth delta. Returns the request id and the
+    terminal error the stream ended with; fails if the stream ended without one."""
+    gen = client.generate("Write a very long story about a dragon.", chat=True, max_tokens=2000)
+    killed = False
+    try:
+        async for d in gen:
+            if d.seq >= 3 and not killed:
+                hb = await heartbeat_of(url, worker, role)
+                assert hb.pid is not None
+                os.kill(hb.pid, signal.SIGKILL)
+                killed = True
+    except errors.SplitserveError as exc:
+        return gen.request_id, exc
+    raise AssertionError(f"the stream of {gen.request_id} ended normally although {worker} was killed")

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +18,7 @@ import proto
 from splitserve import errors
 from splitserve.client import Client
 from splitserve.stackproc import StackProc, start_stack
-from tests.procs import heartbeat_of
+from tests.procs import heartbeat_of, kill_worker_mid_stream
 
 pytestmark = pytest.mark.slow
 
@@ -263,16 +261,9 @@ def test_a_resent_request_is_reaccepted_not_run_twice(stack: StackProc) -> None:
 def test_worker_death_mid_request_is_a_terminal_error_then_recovers(stack: StackProc) -> None:
     async def go() -> None:
         async with Client(stack.nats_url, idle_timeout=60) as c:
-            gen = c.generate("Write a very long story about a dragon.", chat=True, max_tokens=2000)
-            killed = False
-            with pytest.raises(errors.WorkerDied) as ei:
-                async for d in gen:
-                    if d.seq == 3 and not killed:
-                        hb = await heartbeat_of(stack.nats_url, "decode-0")
-                        assert hb.pid is not None
-                        os.kill(hb.pid, signal.SIGKILL)
-                        killed = True
-            assert "decode-0" in ei.value.message
+            _, err = await kill_worker_mid_stream(c, stack.nats_url)
+        assert isinstance(err, errors.WorkerDied), err
+        assert "decode-0" in err.message
     t0 = time.monotonic()
     asyncio.run(go())
     assert time.monotonic() - t0 < 60

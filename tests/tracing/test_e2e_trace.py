@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import pytest
 from splitserve import errors
 from splitserve.client import Client
 from splitserve.stackproc import StackProc, start_stack
-from tests.procs import heartbeat_of
+from tests.procs import kill_worker_mid_stream
 
 pytestmark = pytest.mark.slow
 
@@ -117,16 +116,9 @@ def test_front_door_continues_the_callers_traceparent(stack: StackProc) -> None:
 def test_decoder_killed_mid_stream_shows_error_span(stack: StackProc) -> None:
     async def go() -> str:
         async with Client(stack.nats_url, idle_timeout=60) as c:
-            gen = c.generate("Write a very long story about a dragon.", chat=True, max_tokens=2000)
-            killed = False
-            with pytest.raises(errors.WorkerDied):
-                async for d in gen:
-                    if d.seq == 3 and not killed:
-                        hb = await heartbeat_of(stack.nats_url, "decode-0")
-                        assert hb.pid is not None
-                        os.kill(hb.pid, signal.SIGKILL)
-                        killed = True
-            return gen.request_id
+            rid, err = await kill_worker_mid_stream(c, stack.nats_url)
+            assert isinstance(err, errors.WorkerDied), err
+            return rid
 
     rid = asyncio.run(go())
     spans = _spans(stack, rid, {"router.fail", "client.generate"})
