@@ -150,10 +150,10 @@ class Stack:
 
     async def run(self, on_ready: Callable[[Stack], None] | None = None) -> int:
         c = self.cfg
-        c.state_dir.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
         if not self.nats_url:
             self.nats = await asyncio.to_thread(start_nats, c.state_dir / "nats", port=c.nats_port,
-                                                log_file=self.logs / "nats.log" if self._mklogs() else None)
+                                                log_file=self.logs / "nats.log")
             self.nats_url = self.nats.url
             self.echo(f"  {'nats':<15} ready  {self.nats_url}  (pid {self.nats.proc.pid})")
         bus = await Bus.connect(self.nats_url, "supervisor")
@@ -179,10 +179,6 @@ class Stack:
             if self.nats:
                 self.nats.stop()
             discovery.clear_stack(os.getpid())
-
-    def _mklogs(self) -> bool:
-        self.logs.mkdir(parents=True, exist_ok=True)
-        return True
 
     async def _on_hb(self, raw: object) -> None:
         import proto

@@ -48,6 +48,7 @@ class CacheIndexService(Service):
         self.snapshot_seq = 0
         self.gaps = 0
         self.restored_from: int | None = None
+        self.indexed_blocks = 0  # blocks in the index as of the last snapshot (reported in heartbeats)
 
     async def setup(self) -> None:
         self.js = self.b.nc.jetstream()
@@ -72,6 +73,7 @@ class CacheIndexService(Service):
         self.index.restore(data["index"])
         self.applied_seq = self.snapshot_seq = int(data["stream_seq"])
         self.restored_from = self.applied_seq
+        self.indexed_blocks = self.index.stats().blocks
         self.log.info("index_restored", stream_seq=self.applied_seq, blocks=self.index.stats().to_dict())
 
     async def start(self) -> None:
@@ -89,7 +91,8 @@ class CacheIndexService(Service):
             await self._snapshot()
 
     def load(self) -> WorkerLoad:
-        return WorkerLoad(cached_blocks=self.index.stats().to_dict().get("blocks", 0))
+        # stats() walks the whole index: counted when the index is snapshotted, not on every heartbeat.
+        return WorkerLoad(cached_blocks=self.indexed_blocks)
 
     def heartbeat_extra(self) -> dict[str, Any]:
         return {}
@@ -129,6 +132,7 @@ class CacheIndexService(Service):
         data = msgpack.packb({"stream_seq": seq, "index": self.index.snapshot()}, use_bin_type=True)
         await self.store.put(SNAPSHOT_KEY, data)
         self.snapshot_seq = seq
+        self.indexed_blocks = self.index.stats().blocks
 
     async def _snapshotter(self) -> None:
         while True:

@@ -30,7 +30,6 @@ from proto import (
     KvReserveRequest,
     PrefillDone,
     RequestFinished,
-    Route,
     StreamDelta,
     StreamError,
     StreamFinal,
@@ -472,4 +471,4 @@ class DecodeService(Service):
                                                              message=message, worker=self.worker_id))
         await self.b.publish(Subjects.finished(job.tenant), RequestFinished(
             request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id, status="error",
-            error_code=code, route=job.route if isinstance(job.route, Route) else None))
+            error_code=code, route=job.route))

@@ -272,6 +272,22 @@ class PrefixKvStore:
         return hash_token_blocks(token_ids, self.block_size, parent=self._root(cache_salt, lora))
 
     # ------------------------------------------------------------------------------------------ queries
+    def _resident_run(self, hashes: Sequence[int], limit: int) -> tuple[int, int]:
+        """The leading resident run of ``hashes[:limit]``: blocks [0, a) in the main tier, then [a, b) in L1.
+
+        Main is prefix-closed, so the run is main blocks first, then L1 blocks: two scans, no per-block tier.
+        """
+        mlru = self._main.lru
+        a = 0
+        while a < limit and hashes[a] in mlru:
+            a += 1
+        b = a
+        if self._l1 is not None:
+            llru = self._l1.lru
+            while b < limit and hashes[b] in llru:
+                b += 1
+        return a, b
+
     def match(
         self,
         token_ids: Sequence[int],
@@ -290,15 +306,7 @@ class PrefixKvStore:
         limit = min(len(hashes), max(len(token_ids) - 1, 0) // bs)
         main, l1 = self._main, self._l1
         mlru = main.lru
-        # Main is prefix-closed, so the run is main blocks first, then L1 blocks: two scans, no per-block tier.
-        a = 0
-        while a < limit and hashes[a] in mlru:
-            a += 1
-        b = a
-        if l1 is not None:
-            llru = l1.lru
-            while b < limit and hashes[b] in llru:
-                b += 1
+        a, b = self._resident_run(hashes, limit)
         self._hit_blocks += b
         self._miss_blocks += limit - b
         if not b:
@@ -376,13 +384,7 @@ class PrefixKvStore:
             return 0
         hashes = hash_token_blocks(token_ids[: k * bs], bs, parent=self._root(cache_salt, lora))
         mlru = main.lru
-        a = 0
-        while a < k and hashes[a] in mlru:
-            a += 1
-        b = a
-        if l1 is not None:
-            while b < k and hashes[b] in l1.lru:
-                b += 1
+        a, b = self._resident_run(hashes, k)
         # Past b nothing should be resident (residency is a leading run); stop at anything that is, rather
         # than store a block twice, should a 64-bit hash ever collide.
         parent = self._parent
