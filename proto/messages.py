@@ -46,6 +46,10 @@ __all__ = [
     "Message",
     "PrefillDone",
     "PrefillJob",
+    "QueueReport",
+    "QueueReportRequest",
+    "QueuedRequest",
+    "TenantQueue",
     "RequestFinished",
     "Route",
     "SamplingParams",
@@ -353,6 +357,7 @@ class WorkerLoad(BaseModel):
     used_blocks: int = 0  # blocks holding active sequences' KV
     cached_blocks: int = 0  # prefix-cache blocks resident (all tiers)
     prefill_tokens_per_s: float | None = None  # measured local prefill speed (feeds the router's stall rule)
+    max_seqs: int | None = None  # the most sequences it runs at once (the router paces its queue by it)
 
 
 class Heartbeat(Message):
@@ -446,3 +451,46 @@ class SpanBatch(Message):
     service: str
     worker_id: str
     spans: list[dict[str, Any]]
+
+
+# ---------------------------------------------------------------------------------------------- queues
+
+
+class QueuedRequest(Message):
+    """An accepted request waiting in its tenant's durable queue (``ss.q.{tenant}.p{class}``). It carries
+    the prompt already tokenized and checked, so dispatch never repeats intake's work."""
+
+    kind: Literal["queued_request"] = "queued_request"
+    request: GenerateRequest
+    prompt_token_ids: TokenIds
+    accepted_ms: float = Field(default_factory=now_ms)
+    router_id: str  # the router that accepted it (dispatch may be another one, after a restart)
+
+
+class QueueReportRequest(Message):
+    kind: Literal["queue_report_request"] = "queue_report_request"
+
+
+class TenantQueue(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    tenant: str
+    weight: float = 1.0
+    queued: int = 0  # waiting in the durable queue, all classes
+    queued_by_class: dict[str, int] = Field(default_factory=dict)  # "p0" -> n
+    running: int = 0  # dispatched by this router, not finished
+    inflight: int = 0  # accepted and not finished (the max_inflight quota counts these)
+    oldest_wait_ms: float | None = None  # how long the oldest waiting request has waited
+    accepted_per_s: float = 0.0  # over the last 10 s
+    dispatched_per_s: float = 0.0
+    refused_per_s: float = 0.0
+    served_tokens: int = 0  # tokens charged to the tenant by the fair scheduler since the router started
+    tokens_last_minute: int = 0  # what the tokens_per_minute quota counts
+
+
+class QueueReport(Message):
+    kind: Literal["queue_report"] = "queue_report"
+    router_id: str
+    ts_ms: float = Field(default_factory=now_ms)
+    capacity: int = 0  # decode slots the router may fill now
+    running: int = 0
+    tenants: list[TenantQueue] = Field(default_factory=list)

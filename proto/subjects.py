@@ -13,7 +13,11 @@ Layout (``ss`` is the product prefix; ``{tenant}`` and ``{worker}`` are single t
   ss.hb.{role}.{worker}           every service: Heartbeat
   ss.kv.{worker}                  workers: KvEventBatch (blocks stored/removed/cleared), sequenced
   ss.kv.{worker}.held             index -> worker, request/reply: KvHeldRequest -> KvHeld (resync after a gap)
-  ss.evt.finished.{tenant}        decoder/prefiller/router: RequestFinished (accounting, in-flight tracking)
+  ss.evt.finished.{tenant}.{req}  decoder/prefiller/router: RequestFinished (accounting, in-flight tracking);
+                                  kept in the SS_USAGE stream (usage metering, "already finished?" lookups)
+  ss.q.{tenant}.p{class}          router intake -> router dispatch: QueuedRequest, in the SS_QUEUE work-queue
+                                  stream (Nats-Msg-Id = request id); class 0 is served first within a tenant
+  ss.admin.queues                 operator -> router, request/reply: QueueReportRequest -> QueueReport
   ss.cancel.{tenant}              client/front door -> every worker: CancelRequest
   ss.cache.query                  router -> cache index, request/reply: CacheQuery -> CacheQueryReply
   ss.trace.spans.{service}        every process: SpanBatch (finished trace spans; kept in stream SS_TRACES)
@@ -89,10 +93,19 @@ class Subjects:
         return f"ss.kv.{check_token(worker, 'worker id')}.held"
 
     @staticmethod
-    def finished(tenant: str) -> str:
-        return f"ss.evt.finished.{check_token(tenant, 'tenant')}"
+    def finished(tenant: str, request_id: str) -> str:
+        return f"ss.evt.finished.{check_token(tenant, 'tenant')}.{check_token(request_id, 'request id')}"
 
-    FINISHED_ALL = "ss.evt.finished.*"
+    FINISHED_ALL = "ss.evt.finished.>"
+    USAGE_STREAM = "SS_USAGE"  # keeps every RequestFinished (usage metering; "did it finish?" after a restart)
+
+    @staticmethod
+    def queue(tenant: str, klass: int) -> str:
+        return f"ss.q.{check_token(tenant, 'tenant')}.p{int(klass)}"
+
+    QUEUE_ALL = "ss.q.>"
+    QUEUE_STREAM = "SS_QUEUE"  # the durable per-tenant work queue between intake and dispatch
+    ADMIN_QUEUES = "ss.admin.queues"
 
     @staticmethod
     def cancel(tenant: str) -> str:

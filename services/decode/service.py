@@ -163,6 +163,7 @@ class DecodeService(Service):
         reserved = sum(len(r.block_ids) for r in self.reservations.values())
         return WorkerLoad(
             active_seqs=len(self.active),
+            max_seqs=self.max_batch,
             queued_requests=len(self.pending),
             queued_prefill_tokens=sum(len(a.job.prompt_token_ids) for a in self.pending if a.kv is None),
             free_blocks=self.pool.num_free if hasattr(self, "pool") else 0,
@@ -239,7 +240,7 @@ class DecodeService(Service):
             finish_reason=reason,  # type: ignore[arg-type]
             usage=usage, route=job.route, prefill_worker=job.prefill_worker, decode_worker=self.worker_id,
             decision=job.decision))
-        await self.b.publish(Subjects.finished(job.tenant), RequestFinished(
+        await self.b.publish(Subjects.finished(job.tenant, job.request_id), RequestFinished(
             request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id,
             status=reason,  # type: ignore[arg-type]
             usage=usage, route=job.route))
@@ -433,7 +434,7 @@ class DecodeService(Service):
         await self.b.publish(job.stream_subject, final)
         status = "ok" if reason in ("stop", "length") else reason
         gaps = [(b - a) * 1000 for a, b in zip(seq.token_times, seq.token_times[1:], strict=False)][-512:]
-        await self.b.publish(Subjects.finished(job.tenant), RequestFinished(
+        await self.b.publish(Subjects.finished(job.tenant, job.request_id), RequestFinished(
             request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id,
             status=status,  # type: ignore[arg-type]
             usage=usage, route=job.route, timings=seq.timings, itl_ms=[round(g, 3) for g in gaps],
@@ -469,6 +470,6 @@ class DecodeService(Service):
         self.log.warning("request_failed", request_id=job.request_id, code=str(code), reason=message)
         await self.b.publish(job.stream_subject, StreamError(request_id=job.request_id, code=code,
                                                              message=message, worker=self.worker_id))
-        await self.b.publish(Subjects.finished(job.tenant), RequestFinished(
+        await self.b.publish(Subjects.finished(job.tenant, job.request_id), RequestFinished(
             request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id, status="error",
             error_code=code, route=job.route))

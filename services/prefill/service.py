@@ -142,7 +142,7 @@ class PrefillService(Service):
                     request_id=job.request_id, seq=0, token_ids=[], text="", finish_reason="cancelled",
                     usage=usage, route=job.route, prefill_worker=self.worker_id, decode_worker=job.decoder_id,
                     decision=job.decision))
-                await self.b.publish(Subjects.finished(job.tenant), RequestFinished(
+                await self.b.publish(Subjects.finished(job.tenant, job.request_id), RequestFinished(
                     request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id, status="cancelled",
                     usage=usage, route=job.route))
                 return
@@ -315,6 +315,6 @@ class PrefillService(Service):
         self.log.warning("request_failed", request_id=job.request_id, code=str(code), reason=message)
         await self.b.publish(job.stream_subject, StreamError(request_id=job.request_id, code=code, message=message,
                                                              worker=self.worker_id))
-        await self.b.publish(Subjects.finished(job.tenant), RequestFinished(
+        await self.b.publish(Subjects.finished(job.tenant, job.request_id), RequestFinished(
             request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id, status="error",
             error_code=code, route=job.route))

@@ -20,6 +20,13 @@ def main(
     max_stall_ms: float = typer.Option(250.0, help="most a direct prefill may pause a decoder's active streams "
                                        "(<= 0: no limit)"),
     decoder_prefill_tps: float = typer.Option(800.0, help="assumed decoder prefill speed until it reports one"),
+    tenants: str | None = typer.Option(None, "--tenants", help="tenants file (weights, quotas); without it any "
+                                       "tenant is served with no limits"),
+    queue: bool = typer.Option(True, "--queue/--no-queue", help="accepted requests wait in the durable JetStream "
+                               "queue and are dispatched by fair share as capacity frees (--no-queue: dispatch "
+                               "at once, no durability; for comparison)"),
+    queue_ack_wait_s: float = typer.Option(30.0, help="a dispatched request's queue message is redelivered this "
+                                           "long after its router stops keeping it alive"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     from services.router.service import RouterService
@@ -27,8 +34,8 @@ def main(
     run_service(RouterService(worker_id, nats_url, model=model, strategy=strategy,
                               disagg_threshold=disagg_threshold, no_worker_wait_s=no_worker_wait_s,
                               max_stall_ms=max_stall_ms if max_stall_ms > 0 else None,
-                              decoder_prefill_tps=decoder_prefill_tps,
-                              log_level=log_level))
+                              decoder_prefill_tps=decoder_prefill_tps, tenants_file=tenants, queue=queue,
+                              queue_ack_wait_s=queue_ack_wait_s, log_level=log_level))
 
 
 if __name__ == "__main__":

@@ -1,16 +1,27 @@
 """Router service: the front of the pipeline.
 
-For each GenerateRequest: tokenize, check limits, answer Accepted, wait (bounded) for live workers, ask the
-routing policy for a decision, and publish a PrefillJob (disaggregated) or DecodeJob (direct). It tracks
-every request it routed until the worker reports it finished, so that when a worker dies the caller gets
-a terminal ``worker_died`` error instead of a hang.
+Intake (``ss.req.{tenant}``, request/reply): tokenize, check the model's and the tenant's limits (unknown
+tenant, max prompt / max_tokens, in-flight, queued, tokens per minute: a precise refusal with a retry-after),
+store the request durably in its tenant's queue (``services.router.workqueue``) and answer Accepted.
+
+Dispatch: while decoders have free slots, the fair scheduler (``splitserve.tenancy.fairshare``) picks the
+tenant to serve next by weighted tokens; the router pulls that tenant's next request, asks the routing
+policy for a decision, and publishes a PrefillJob (disaggregated) or DecodeJob (direct). It tracks every
+request it dispatched until the worker reports it finished (then acks its queue message), so that when a
+worker dies the caller gets a terminal ``worker_died`` error instead of a hang, and when the router itself
+dies its requests are redelivered: one still running is adopted, one already finished is dropped, the
+rest are dispatched again.
+
+``--no-queue`` dispatches at intake instead (no durability, no fair share), for comparison.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import structlog
@@ -19,22 +30,31 @@ from nats.js.api import DiscardPolicy, StreamConfig
 from opentelemetry import trace
 from opentelemetry.trace import SpanContext
 
+import proto
 from proto import (
     Accepted,
+    CancelRequest,
     DecodeJob,
     ErrorCode,
     GenerateRequest,
     Heartbeat,
     KvEventBatch,
     PrefillJob,
+    QueuedRequest,
+    QueueReport,
+    QueueReportRequest,
     RequestFinished,
     Route,
     StreamError,
+    StreamFinal,
     Subjects,
+    TenantQueue,
+    Usage,
     WorkerLoad,
     now_ms,
 )
 from services.common.resync import resync_index
+from services.router.workqueue import WorkQueue
 from splitserve.cache import events as cache_events
 from splitserve.cache.index import PrefixIndex
 from splitserve.obs import tracing
@@ -42,6 +62,30 @@ from splitserve.routing import DisaggPolicy, NoWorkers, Router, RoutingRequest, 
 from splitserve.runtime.bus import PayloadTooLarge
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
+from splitserve.tenancy import TenantsConfig, load_tenants
+from splitserve.tenancy.fairshare import FairScheduler
+from splitserve.tenancy.quota import QuotaBook
+
+_REFUSAL_CODES = {"unknown_tenant": ErrorCode.UNKNOWN_TENANT, "quota_exceeded": ErrorCode.QUOTA_EXCEEDED,
+                  "prompt_too_long": ErrorCode.PROMPT_TOO_LONG, "bad_request": ErrorCode.BAD_REQUEST}
+MAX_DELIVERIES = 5  # a request that took down this many routers is failed instead of tried again
+DEFAULT_DECODER_SLOTS = 16
+
+
+class _Rate:
+    """Events per second over the last ``window_s``."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._t: deque[float] = deque()
+
+    def add(self, now: float) -> None:
+        self._t.append(now)
+
+    def per_s(self, now: float) -> float:
+        while self._t and self._t[0] < now - self.window_s:
+            self._t.popleft()
+        return len(self._t) / self.window_s
 
 
 @dataclass
@@ -54,6 +98,8 @@ class Inflight:
     holder: str  # the worker currently responsible for the request
     routed_at: float = field(default_factory=time.monotonic)
     trace_ctx: SpanContext | None = None  # router.request's span: a later failure is recorded under it
+    queue_msg: Msg | None = None  # its durable queue message, acked when the request ends
+    charged: int = 0  # tokens the fair scheduler charged at dispatch (settled at finish)
 
 
 class RouterService(Service):
@@ -72,6 +118,9 @@ class RouterService(Service):
         max_stall_ms: float | None = 250.0,
         results_ttl_s: float = 86400.0,
         decoder_prefill_tps: float = 800.0,
+        tenants_file: str | None = None,
+        queue: bool = True,
+        queue_ack_wait_s: float = 30.0,
         **kw: object,
     ) -> None:
         super().__init__(worker_id, nats_url, **kw)  # type: ignore[arg-type]
@@ -87,6 +136,19 @@ class RouterService(Service):
         self.registry = WorkerRegistry()
         self.inflight: dict[str, Inflight] = {}
         self._worker_change = asyncio.Event()
+        self.tenants_file = tenants_file
+        self.tenants = load_tenants(tenants_file) if tenants_file else TenantsConfig.open_mode()
+        self.quota = QuotaBook(self.tenants)
+        self.fair = FairScheduler(self.tenants.weight)
+        self.use_queue = queue
+        self.queue_ack_wait_s = queue_ack_wait_s
+        self._dispatch_wake = asyncio.Event()
+        # Requests cancelled (or expired) while waiting in the queue: dropped when they reach dispatch.
+        self.dropped: OrderedDict[str, None] = OrderedDict()
+        self._deadlines: list[tuple[float, str, str]] = []  # (deadline ms, tenant, request id) accepted here
+        self._accepted_meta: dict[str, tuple[str, str, int]] = {}  # rid -> (tenant, stream subject, prompt len)
+        self._rates: dict[tuple[str, str], _Rate] = {}
+        self._started = time.monotonic()
 
     async def setup(self) -> None:
         from services.router.tokenize import PromptTokenizer
@@ -94,12 +156,15 @@ class RouterService(Service):
         # Async jobs' results are kept (per tenant subject, with a TTL) in JetStream for later fetching.
         js = self.b.nc.jetstream()
         cfg = StreamConfig(name=Subjects.RESULTS_STREAM, subjects=[Subjects.RESULTS_ALL],
-                           max_age=self.results_ttl_s, max_bytes=1 << 30, discard=DiscardPolicy.OLD)
+                           max_age=self.results_ttl_s, max_bytes=1 << 30, discard=DiscardPolicy.OLD,
+                           allow_direct=True)
         try:
             await js.add_stream(cfg)
         except Exception:
             await js.update_stream(cfg)
 
+        self.wq = WorkQueue(self.b, ack_wait_s=self.queue_ack_wait_s)
+        await self.wq.setup()  # also the usage stream, which --no-queue keeps too
         self.tokenizer = await asyncio.to_thread(PromptTokenizer, self.model)
         # The router always keeps an in-process replica of the cache index, fed by the workers' own KV
         # events: kvaware routes on it, and every strategy's disaggregation rule counts *uncached* tokens.
@@ -111,10 +176,16 @@ class RouterService(Service):
         await b.subscribe(Subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         await b.subscribe(Subjects.FINISHED_ALL, RequestFinished, self.on_finished)
         await b.subscribe(Subjects.KV_EVENTS_ALL, KvEventBatch, self.on_kv_events)
+        await b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel)
+        await b.subscribe(Subjects.ADMIN_QUEUES, QueueReportRequest, self.on_queue_report,
+                          queue=Subjects.ROUTER_QUEUE, concurrent=True)
         await b.subscribe(
             Subjects.REQUEST_ALL, GenerateRequest, self.on_request, queue=Subjects.ROUTER_QUEUE, concurrent=True
         )
         b.spawn(self._reaper())
+        if self.use_queue:
+            b.spawn(self._dispatch_loop())
+            b.spawn(self._keepalive())
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(active_seqs=len(self.inflight))
@@ -143,8 +214,24 @@ class RouterService(Service):
             self.b.spawn(resync_index(self.b, self.index, batch.worker_id, self.log))
 
     async def on_finished(self, ev: RequestFinished, _: Msg) -> None:
-        self.inflight.pop(ev.request_id, None)
+        inf = self.inflight.pop(ev.request_id, None)
+        used = (ev.usage.prompt_tokens + ev.usage.completion_tokens) if ev.usage is not None else None
+        if inf is not None:
+            await self._retire(inf, used)
         self.policy.release(ev.request_id)
+        self._accepted_meta.pop(ev.request_id, None)
+        self.quota.finish(ev.tenant, ev.request_id, used, time.monotonic())
+
+    async def _retire(self, inf: Inflight, used_tokens: int | None) -> None:
+        """The request ended (any outcome): ack its queue message and settle its fair-share charge."""
+        if inf.charged:
+            self.fair.settle(inf.tenant, inf.charged, used_tokens if used_tokens is not None else 0)
+            inf.charged = 0
+        if inf.queue_msg is not None:
+            msg, inf.queue_msg = inf.queue_msg, None
+            with contextlib.suppress(Exception):
+                await msg.ack()
+        self._dispatch_wake.set()
 
     async def _reaper(self) -> None:
         while True:
@@ -154,9 +241,11 @@ class RouterService(Service):
                 self.policy.remove_worker(wid)
                 for inf in [i for i in self.inflight.values() if i.holder == wid]:
                     await self._fail(inf, ErrorCode.WORKER_DIED, f"{reason} while serving this request", wid)
+            await self._expire_queued()
 
     async def _fail(self, inf: Inflight, code: ErrorCode, message: str, worker: str | None = None) -> None:
         self.inflight.pop(inf.request_id, None)
+        await self._retire(inf, None)
         if inf.trace_ctx is not None and trace.get_current_span().get_span_context() != inf.trace_ctx:
             # router.request ended long ago (e.g. the decoder died mid-stream): record the failure in the
             # same trace so the waterfall shows where and why the request ended.
@@ -165,47 +254,103 @@ class RouterService(Service):
                 tracing.set_attrs(sp, request_id=inf.request_id, tenant=inf.tenant, error_code=str(code),
                                   failed_worker=worker)
                 tracing.record_error(sp, message)
-                await self._publish_failure(inf, code, message, worker)
+                await self._publish_failure(inf.request_id, inf.tenant, inf.stream_subject, code, message, worker)
             return
-        await self._publish_failure(inf, code, message, worker)
+        await self._publish_failure(inf.request_id, inf.tenant, inf.stream_subject, code, message, worker)
 
-    async def _publish_failure(self, inf: Inflight, code: ErrorCode, message: str, worker: str | None) -> None:
-        err = StreamError(request_id=inf.request_id, code=code, message=message, worker=worker,
+    async def _publish_failure(self, request_id: str, tenant: str, stream_subject: str, code: ErrorCode,
+                               message: str, worker: str | None = None) -> None:
+        err = StreamError(request_id=request_id, code=code, message=message, worker=worker,
                           retryable=code in (ErrorCode.WORKER_DIED, ErrorCode.NO_WORKERS))
-        await self.b.publish(inf.stream_subject, err)
+        await self.b.publish(stream_subject, err)
         await self.b.publish(
-            Subjects.finished(inf.tenant),
-            RequestFinished(request_id=inf.request_id, tenant=inf.tenant, worker_id=self.worker_id,
+            Subjects.finished(tenant, request_id),
+            RequestFinished(request_id=request_id, tenant=tenant, worker_id=self.worker_id,
                             status="error", error_code=code),
         )
+
+    # --- requests that end while still queued ----------------------------------------------------------
+    async def on_cancel(self, c: CancelRequest, _: Msg) -> None:
+        # A dispatched request is stopped by its worker; one still waiting in the queue is ended here, now,
+        # and skipped when it reaches dispatch.
+        if c.request_id in self.inflight or c.request_id not in self._accepted_meta:
+            return
+        await self._end_queued(c.request_id, "cancelled", c.reason)
+
+    async def _expire_queued(self) -> None:
+        now = now_ms()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _tenant, rid = heapq.heappop(self._deadlines)
+            if rid in self._accepted_meta and rid not in self.inflight:
+                await self._end_queued(rid, "expired", "the deadline passed while the request waited in the queue")
+
+    async def _end_queued(self, rid: str, reason: str, why: str) -> None:
+        tenant, stream_subject, prompt_tokens = self._accepted_meta.pop(rid)
+        self.dropped[rid] = None
+        while len(self.dropped) > 100_000:
+            self.dropped.popitem(last=False)
+        self.log.info("queued_request_ended", request_id=rid, tenant=tenant, reason=reason, why=why)
+        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0)
+        await self.b.publish(stream_subject, StreamFinal(
+            request_id=rid, seq=0, token_ids=[], text="", finish_reason=reason,  # type: ignore[arg-type]
+            usage=usage, route=Route.DIRECT, prefill_worker=None, decode_worker="",
+            decision={"ended_in_queue": True, "reason": why}))
+        await self.b.publish(Subjects.finished(tenant, rid), RequestFinished(
+            request_id=rid, tenant=tenant, worker_id=self.worker_id, status=reason,  # type: ignore[arg-type]
+            usage=usage))
 
     # --- requests ------------------------------------------------------------------------------------
     async def on_request(self, req: GenerateRequest, msg: Msg) -> None:
         with tracing.span_from(msg.headers, "router.request", request_id=req.request_id, tenant=req.tenant) as sp, \
                 structlog.contextvars.bound_contextvars(request_id=req.request_id, tenant=req.tenant):
-            # Queue wait: client send -> this router picking the request up.
-            tracing.set_attrs(sp, queue_wait_ms=round(max(0.0, now_ms() - req.created_ms), 2),
-                              route_requested=req.route, max_tokens=req.sampling.max_tokens)
-            await self._handle(req, msg, sp)
+            tracing.set_attrs(sp, route_requested=req.route, max_tokens=req.sampling.max_tokens,
+                              priority=req.priority)
+            await self._intake(req, msg, sp)
 
-    async def _reject(self, req: GenerateRequest, msg: Msg, code: ErrorCode, message: str) -> None:
-        self.log.info("rejected", request_id=req.request_id, code=str(code), reason=message)
+    async def _reject(self, req: GenerateRequest, msg: Msg, code: ErrorCode, message: str,
+                      retry_after_s: float | None = None, limit: str | None = None) -> None:
+        self.log.info("rejected", request_id=req.request_id, code=str(code), reason=message, limit=limit)
+        self._rate(req.tenant, "refused").add(time.monotonic())
         sp = trace.get_current_span()
         sp.set_attribute("error.code", str(code))
         tracing.record_error(sp, message)
-        err = StreamError(request_id=req.request_id, code=code, message=message)
+        err = StreamError(request_id=req.request_id, code=code, message=message,
+                          retryable=retry_after_s is not None,
+                          retry_after_ms=None if retry_after_s is None else round(retry_after_s * 1000, 1))
         if msg.reply:
             await self.b.respond(msg, err)
         else:
             await self.b.publish(req.stream_subject, err)
 
-    async def _handle(self, req: GenerateRequest, msg: Msg, sp: trace.Span) -> None:
+    def _rate(self, tenant: str, what: str) -> _Rate:
+        r = self._rates.get((tenant, what))
+        if r is None:
+            r = self._rates[(tenant, what)] = _Rate()
+        return r
+
+    async def _wait_for_decoders(self) -> list[Heartbeat]:
+        """Live decoders, waiting (bounded) for one to appear, so "no workers" is a clear, early answer."""
+        deadline = time.monotonic() + self.no_worker_wait_s
+        while True:
+            now = time.monotonic()
+            decoders = self.registry.live("decode", now)
+            if decoders or now >= deadline:
+                return decoders
+            self._worker_change.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._worker_change.wait(), timeout=max(0.05, deadline - now))
+
+    async def _intake(self, req: GenerateRequest, msg: Msg, sp: trace.Span) -> None:
         log = self.log.bind(request_id=req.request_id, tenant=req.tenant)
         dup = self.inflight.get(req.request_id)
-        if dup is not None:
+        if dup is None and req.request_id in self._accepted_meta:
+            dup_tenant: str | None = self._accepted_meta[req.request_id][0]
+        else:
+            dup_tenant = dup.tenant if dup is not None else None
+        if dup_tenant is not None:
             # Idempotent: a client that reconnected re-sends its request; it is the same request, so accept it
             # again (it keeps streaming on the same subject) instead of running it twice.
-            if dup.tenant == req.tenant:
+            if dup_tenant == req.tenant:
                 log.info("duplicate_request_reattached")
                 await self.b.respond(msg, Accepted(request_id=req.request_id, router_id=self.worker_id,
                                                    prompt_tokens=0))
@@ -213,9 +358,13 @@ class RouterService(Service):
                 await self._reject(req, msg, ErrorCode.BAD_REQUEST,
                                    f"request id {req.request_id} is in use by another tenant")
             return
-        if len(self.inflight) >= self.max_inflight:
+        if not self.tenants.known(req.tenant):
+            await self._reject(req, msg, ErrorCode.UNKNOWN_TENANT, f"tenant {req.tenant!r} is not in the tenants "
+                               "file")
+            return
+        if not self.use_queue and len(self.inflight) >= self.max_inflight:
             await self._reject(req, msg, ErrorCode.BUSY, f"router {self.worker_id} has {self.max_inflight} "
-                               "requests in flight; retry later")
+                               "requests in flight; retry later", retry_after_s=1.0)
             return
         try:
             ids = self.tokenizer.token_ids(req)
@@ -225,16 +374,7 @@ class RouterService(Service):
         if not ids:
             await self._reject(req, msg, ErrorCode.BAD_REQUEST, "the prompt is empty after tokenization")
             return
-        # Wait (bounded) for live workers before accepting, so "no workers" is a clear, early answer.
-        deadline = time.monotonic() + self.no_worker_wait_s
-        while True:
-            now = time.monotonic()
-            decoders = self.registry.live("decode", now)
-            if decoders or now >= deadline:
-                break
-            self._worker_change.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._worker_change.wait(), timeout=max(0.05, deadline - now))
+        decoders = await self._wait_for_decoders()
         if not decoders:
             await self._reject(req, msg, ErrorCode.NO_WORKERS,
                                f"no live decode worker within {self.no_worker_wait_s:.1f}s")
@@ -246,16 +386,183 @@ class RouterService(Service):
                                f"(max_model_len {max_len:,} includes at least one generated token)")
             return
         now = time.monotonic()
+        queued = self.wq.pending_by_tenant().get(req.tenant, 0)
+        refusal = self.quota.check(req.tenant, len(ids), req.sampling.max_tokens, queued, now)
+        if refusal is not None:
+            sp.set_attribute("quota.limit", refusal.limit or "")
+            await self._reject(req, msg, _REFUSAL_CODES[refusal.code], refusal.message,
+                               retry_after_s=refusal.retry_after_s, limit=refusal.limit)
+            return
+        if not self.use_queue:
+            await self._route(req, ids, msg, sp)
+            self.quota.admit(req.tenant, req.request_id, len(ids), req.sampling.max_tokens, now)
+            return
+        q = QueuedRequest(request=req, prompt_token_ids=ids, router_id=self.worker_id)
+        try:
+            fresh = await self.wq.enqueue(q)
+        except PayloadTooLarge as exc:
+            await self._reject(req, msg, ErrorCode.PAYLOAD_TOO_LARGE, str(exc))
+            return
+        except Exception as exc:
+            # Not stored, so not accepted: the caller may retry (the queue stream full or unreachable).
+            await self._reject(req, msg, ErrorCode.BUSY, f"the request queue did not take the request: {exc}",
+                               retry_after_s=1.0)
+            return
+        self.quota.admit(req.tenant, req.request_id, len(ids), req.sampling.max_tokens, now)
+        self._accepted_meta[req.request_id] = (req.tenant, req.stream_subject, len(ids))
+        if req.deadline_ms is not None:
+            heapq.heappush(self._deadlines, (req.deadline_ms, req.tenant, req.request_id))
+        self._rate(req.tenant, "accepted").add(now)
+        tracing.set_attrs(sp, prompt_tokens=len(ids), queued_ahead=queued, duplicate=not fresh)
+        log.info("queued", prompt_tokens=len(ids), queued_ahead=queued, duplicate=not fresh)
+        await self.b.respond(msg, Accepted(request_id=req.request_id, router_id=self.worker_id,
+                                           prompt_tokens=len(ids)))
+        self._dispatch_wake.set()
+
+    # --- dispatch ------------------------------------------------------------------------------------
+    def free_slots(self, now: float) -> int:
+        """Decode slots this router may fill now: each live decoder's batch size (plus a little, so a worker
+        never idles between one request finishing and the next arriving) less what it runs or was sent."""
+        mine: dict[str, int] = {}
+        for inf in self.inflight.values():
+            mine[inf.decoder] = mine.get(inf.decoder, 0) + 1
+        free = 0
+        for hb in self.registry.live("decode", now):
+            cap = hb.load.max_seqs or DEFAULT_DECODER_SLOTS
+            used = max(mine.get(hb.worker_id, 0), hb.load.active_seqs + hb.load.queued_requests)
+            free += max(0, cap + max(1, cap // 4) - used)
+        return free
+
+    async def _dispatch_loop(self) -> None:
+        # Registry warm-up: a redelivered request is checked against the workers' heartbeats before it is
+        # run again, so first hear every live worker at least twice.
+        await asyncio.sleep(1.5)
+        last_refresh = 0.0
+        while True:
+            try:
+                now = time.monotonic()
+                if now - last_refresh > 0.5:
+                    await self.wq.refresh()
+                    last_refresh = now
+                progressed = await self._dispatch_some()
+            except Exception as exc:  # a NATS hiccup must not end dispatch
+                self.log.exception("dispatch_error", error=str(exc))
+                progressed = False
+                await asyncio.sleep(0.5)
+            if not progressed:
+                self._dispatch_wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._dispatch_wake.wait(), timeout=0.5)
+
+    async def _dispatch_some(self) -> bool:
+        progressed = False
+        while self.free_slots(time.monotonic()) > 0:
+            tenant = self.fair.pick(self.wq.pending_by_tenant())
+            if tenant is None:
+                break
+            qmsg = await self.wq.fetch(tenant)
+            if qmsg is None:
+                continue
+            progressed = True
+            await self._dispatch(qmsg)
+        return progressed
+
+    async def _dispatch(self, qmsg: Msg) -> None:
+        try:
+            q = proto.decode(qmsg.data, QueuedRequest)
+        except proto.ProtocolError as exc:
+            self.log.error("queue_message_undecodable", error=exc.message, subject=qmsg.subject)
+            await qmsg.term()
+            return
+        req = q.request
+        rid = req.request_id
+        with tracing.span_from(qmsg.headers, "router.dispatch", request_id=rid, tenant=req.tenant) as sp, \
+                structlog.contextvars.bound_contextvars(request_id=rid, tenant=req.tenant):
+            delivered = int(qmsg.metadata.num_delivered)
+            wait_ms = max(0.0, now_ms() - q.accepted_ms)
+            tracing.set_attrs(sp, queue_wait_ms=round(wait_ms, 2), deliveries=delivered)
+            if rid in self.inflight:  # redelivered while we still run it (a missed keep-alive): keep the newest
+                self.inflight[rid].queue_msg = qmsg
+                return
+            if rid in self.dropped:
+                await qmsg.ack()
+                return
+            if delivered > 1 and await self._recover(q, qmsg, sp):
+                return
+            if req.deadline_ms is not None and now_ms() >= req.deadline_ms:
+                self._accepted_meta.setdefault(rid, (req.tenant, req.stream_subject, len(q.prompt_token_ids)))
+                await self._end_queued(rid, "expired", "the deadline passed while the request waited in the queue")
+                await qmsg.ack()
+                return
+            self._rate(req.tenant, "dispatched").add(time.monotonic())
+            inf = await self._route(req, list(q.prompt_token_ids), None, sp, queue_msg=qmsg)
+            if inf is None:
+                await qmsg.ack()  # answered with a terminal error
+
+    async def _recover(self, q: QueuedRequest, qmsg: Msg, sp: trace.Span) -> bool:
+        """A redelivered request (its previous router stopped keeping it): True if handled here (it already
+        finished, or still runs on a worker and is adopted, or failed too often), False to dispatch it again."""
+        req = q.request
+        rid = req.request_id
+        done = await self.wq.finished_record(req.tenant, rid)
+        if done is not None:
+            self.log.info("redelivered_already_finished", status=done.status)
+            await qmsg.ack()
+            return True
+        now = time.monotonic()
+        for hb in self.registry.live("decode", now) + self.registry.live("prefill", now):
+            if rid in hb.active_requests:
+                self.log.info("redelivered_adopted", holder=hb.worker_id)
+                tracing.set_attrs(sp, adopted_from=hb.worker_id)
+                is_decoder = hb.role == "decode"
+                self.inflight[rid] = Inflight(
+                    request_id=rid, tenant=req.tenant, stream_subject=req.stream_subject,
+                    decoder=hb.worker_id if is_decoder else "", prefiller=None if is_decoder else hb.worker_id,
+                    holder=hb.worker_id, queue_msg=qmsg)
+                self.quota.admit(req.tenant, rid, len(q.prompt_token_ids), req.sampling.max_tokens, now)
+                return True
+        if int(qmsg.metadata.num_delivered) > MAX_DELIVERIES:
+            self._accepted_meta.pop(rid, None)
+            await self._publish_failure(rid, req.tenant, req.stream_subject, ErrorCode.INTERNAL,
+                                        f"the request was handed to a router {MAX_DELIVERIES} times and none "
+                                        "finished dispatching it")
+            await qmsg.ack()
+            return True
+        self.log.info("redelivered_dispatching_again")
+        self.quota.admit(req.tenant, rid, len(q.prompt_token_ids), req.sampling.max_tokens, now)
+        return False
+
+    async def _keepalive(self) -> None:
+        """Keep the queue messages of running requests from being redelivered while this router lives."""
+        while True:
+            await asyncio.sleep(max(0.5, self.queue_ack_wait_s / 3))
+            for inf in list(self.inflight.values()):
+                if inf.queue_msg is not None:
+                    with contextlib.suppress(Exception):
+                        await inf.queue_msg.in_progress()
+
+    async def _route(self, req: GenerateRequest, ids: list[int], msg: Msg | None, sp: trace.Span,
+                     queue_msg: Msg | None = None) -> Inflight | None:
+        """Decide where the request runs and hand it to the worker(s). With ``msg`` (no queue), answers the
+        caller's request; otherwise a failure goes to the request's stream subject."""
+        log = self.log.bind(request_id=req.request_id, tenant=req.tenant)
+        now = time.monotonic()
         views = [self._view(hb) for hb in self.registry.live("decode", now) + self.registry.live("prefill", now)]
         rreq = RoutingRequest(request_id=req.request_id, tenant=req.tenant, token_ids=ids,
                               session_key=req.session_id, force_route=None if req.route == "auto" else req.route)
         try:
             decision = self.policy.decide(rreq, views, now)
         except NoWorkers as exc:
-            await self._reject(req, msg, ErrorCode.NO_WORKERS, str(exc))
-            return
-        await self.b.respond(msg, Accepted(request_id=req.request_id, router_id=self.worker_id,
-                                           prompt_tokens=len(ids)))
+            if msg is not None:
+                await self._reject(req, msg, ErrorCode.NO_WORKERS, str(exc))
+            else:
+                self._accepted_meta.pop(req.request_id, None)
+                await self._publish_failure(req.request_id, req.tenant, req.stream_subject, ErrorCode.NO_WORKERS,
+                                            str(exc))
+            return None
+        if msg is not None:
+            await self.b.respond(msg, Accepted(request_id=req.request_id, router_id=self.worker_id,
+                                               prompt_tokens=len(ids)))
         route = Route(decision.route)
         job = DecodeJob(
             request_id=req.request_id, tenant=req.tenant, prompt_token_ids=ids, sampling=req.sampling,
@@ -263,9 +570,11 @@ class RouterService(Service):
             prefill_worker=decision.prefiller, created_ms=req.created_ms, routed_ms=now_ms(),
             deadline_ms=req.deadline_ms, decision=decision.to_dict(), stream=req.stream,
         )
+        charge = len(ids) + req.sampling.max_tokens
         inf = Inflight(request_id=req.request_id, tenant=req.tenant, stream_subject=req.stream_subject,
                        decoder=decision.decoder, prefiller=decision.prefiller,
-                       holder=decision.prefiller or decision.decoder)
+                       holder=decision.prefiller or decision.decoder, queue_msg=queue_msg, charged=charge)
+        self.fair.charge(req.tenant, charge)
         self.inflight[req.request_id] = inf
         inf.trace_ctx = sp.get_span_context() if sp.get_span_context().is_valid else None
         ddict = decision.to_dict()
@@ -282,6 +591,32 @@ class RouterService(Service):
                 await self.b.publish(Subjects.decode_job(decision.decoder), job)
         except PayloadTooLarge as exc:
             await self._fail(inf, ErrorCode.PAYLOAD_TOO_LARGE, str(exc))
+        return inf
+
+    # --- operators -----------------------------------------------------------------------------------
+    async def on_queue_report(self, _: QueueReportRequest, msg: Msg) -> None:
+        now = time.monotonic()
+        await self.wq.refresh()
+        pending = self.wq.pending_by_tenant()
+        running: dict[str, int] = {}
+        for inf in self.inflight.values():
+            running[inf.tenant] = running.get(inf.tenant, 0) + 1
+        served = self.fair.served()
+        names = sorted(set(pending) | set(running) | set(served) | set(self.tenants.tenants)
+                       | {t for t, _ in self._rates})
+        rows = []
+        for t in names:
+            rows.append(TenantQueue(
+                tenant=t, weight=self.tenants.weight(t), queued=pending.get(t, 0),
+                queued_by_class=self.wq.pending_by_class(t), running=running.get(t, 0),
+                inflight=self.quota.inflight(t),
+                oldest_wait_ms=await self.wq.oldest_wait_ms(t) if pending.get(t) else None,
+                accepted_per_s=self._rate(t, "accepted").per_s(now),
+                dispatched_per_s=self._rate(t, "dispatched").per_s(now),
+                refused_per_s=self._rate(t, "refused").per_s(now),
+                served_tokens=served.get(t, 0), tokens_last_minute=self.quota.tokens_in_window(t, now)))
+        await self.b.respond(msg, QueueReport(router_id=self.worker_id, capacity=self.free_slots(now),
+                                              running=len(self.inflight), tenants=rows))
 
     @staticmethod
     def _view(hb: Heartbeat) -> WorkerView:

@@ -1,0 +1,197 @@
+"""The durable request queue between the router's intake and its dispatch: JetStream mechanics only.
+
+One work-queue stream (``SS_QUEUE``) with a subject per tenant and priority class (``ss.q.{tenant}.p{c}``).
+Intake publishes each accepted request with ``Nats-Msg-Id`` = its request id, so a re-sent request is
+de-duplicated by the server. Dispatch pulls one message at a time from the (tenant, class) the fair
+scheduler picks, through one durable pull consumer per (tenant, class) shared by every router; a message
+stays un-acked while its request runs (kept alive with in-progress acks) and is acked when it finishes, so a
+router that dies mid-request has its messages redelivered to another router (or to itself, restarted) after
+the ack wait.
+
+Also here: the ``SS_USAGE`` stream that keeps every ``RequestFinished`` (usage metering, and the "did this
+request already finish?" lookup a redelivery needs), and the per-(tenant, class) pending counts the
+scheduler picks from: exact after each fetch (the server reports what is left), refreshed from consumer
+info periodically to see what other routers enqueued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+import structlog
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, NotFoundError
+
+import proto
+from proto import QueuedRequest, Subjects
+from splitserve.obs import tracing
+from splitserve.runtime.bus import Bus
+
+log = structlog.get_logger("splitserve.router.queue")
+
+NUM_CLASSES = 3  # priority 0-3 -> p0, 4-7 -> p1, 8-9 -> p2
+
+
+def priority_class(priority: int) -> int:
+    return min(NUM_CLASSES - 1, max(0, priority) // 4)
+
+
+def _consumer_name(tenant: str, klass: int) -> str:
+    return f"dispatch_{tenant}_p{klass}"
+
+
+@dataclass
+class _Lane:
+    tenant: str
+    klass: int
+    sub: JetStreamContext.PullSubscription
+    pending: int = 0  # not yet delivered to any router
+    checked: float = 0.0
+
+
+class WorkQueue:
+    def __init__(self, bus: Bus, *, ack_wait_s: float = 30.0, usage_ttl_s: float = 7 * 86400.0,
+                 dedupe_window_s: float = 600.0) -> None:
+        self.bus = bus
+        self.js = bus.nc.jetstream()
+        self.ack_wait_s = ack_wait_s
+        self.usage_ttl_s = usage_ttl_s
+        self.dedupe_window_s = dedupe_window_s
+        self._lanes: dict[tuple[str, int], _Lane] = {}
+        self._lane_lock = asyncio.Lock()
+
+    async def setup(self) -> None:
+        await self._ensure_stream(StreamConfig(
+            name=Subjects.QUEUE_STREAM, subjects=[Subjects.QUEUE_ALL], retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE, duplicate_window=self.dedupe_window_s, max_bytes=1 << 30,
+            # A full queue refuses new requests (intake answers "busy") rather than dropping accepted ones.
+            discard=DiscardPolicy.NEW))
+        await self._ensure_stream(StreamConfig(
+            name=Subjects.USAGE_STREAM, subjects=[Subjects.FINISHED_ALL], storage=StorageType.FILE,
+            max_age=self.usage_ttl_s, max_bytes=512 << 20, discard=DiscardPolicy.OLD, allow_direct=True))
+        await self.refresh(force=True)
+
+    async def _ensure_stream(self, cfg: StreamConfig) -> None:
+        try:
+            await self.js.add_stream(cfg)
+        except BadRequestError:  # it exists with another config (an older version): update it in place
+            await self.js.update_stream(cfg)
+        except Exception as exc:
+            raise RuntimeError(f"cannot create JetStream stream {cfg.name}: {exc!r} (JetStream storage limits "
+                               "of the nats-server?)") from exc
+
+    # --- intake ----------------------------------------------------------------------------------------
+    async def enqueue(self, q: QueuedRequest) -> bool:
+        """Store an accepted request durably. Returns False if it was a duplicate (already queued)."""
+        req = q.request
+        klass = priority_class(req.priority)
+        subject = Subjects.queue(req.tenant, klass)
+        data = self.bus._payload(q)
+        headers = tracing.inject(proto.headers_for(q, {"Nats-Msg-Id": req.request_id}))
+        ack = await self.js.publish(subject, data, headers=headers, timeout=5.0)
+        if ack.duplicate:
+            return False
+        lane = await self.lane(req.tenant, klass)
+        lane.pending += 1
+        return True
+
+    # --- dispatch --------------------------------------------------------------------------------------
+    async def lane(self, tenant: str, klass: int) -> _Lane:
+        key = (tenant, klass)
+        lane = self._lanes.get(key)
+        if lane is not None:
+            return lane
+        async with self._lane_lock:
+            lane = self._lanes.get(key)
+            if lane is None:
+                name = _consumer_name(tenant, klass)
+                cfg = ConsumerConfig(durable_name=name, filter_subject=Subjects.queue(tenant, klass),
+                                     ack_policy=AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s, max_deliver=-1,
+                                     deliver_policy=DeliverPolicy.ALL, max_ack_pending=100_000)
+                info = await self.js.add_consumer(Subjects.QUEUE_STREAM, cfg)  # create, or update ack wait
+                sub = await self.js.pull_subscribe_bind(name, Subjects.QUEUE_STREAM)
+                lane = _Lane(tenant, klass, sub, pending=int(info.num_pending or 0), checked=time.monotonic())
+                self._lanes[key] = lane
+        return lane
+
+    def pending_by_tenant(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for (tenant, _), lane in self._lanes.items():
+            out[tenant] = out.get(tenant, 0) + max(0, lane.pending)
+        return out
+
+    def pending_by_class(self, tenant: str) -> dict[str, int]:
+        return {f"p{k}": max(0, lane.pending) for (t, k), lane in sorted(self._lanes.items()) if t == tenant}
+
+    async def fetch(self, tenant: str) -> Msg | None:
+        """The next waiting message of this tenant, highest class first; None if it has none after all."""
+        for klass in range(NUM_CLASSES):
+            lane = self._lanes.get((tenant, klass))
+            if lane is None or lane.pending <= 0:
+                continue
+            try:
+                msgs = await lane.sub.fetch(1, timeout=0.25)
+            except (NatsTimeout, TimeoutError):
+                lane.pending = 0  # someone else took it; the periodic refresh will correct if not
+                continue
+            msg = msgs[0]
+            lane.pending = int(msg.metadata.num_pending)
+            return msg
+        return None
+
+    async def refresh(self, force: bool = False) -> None:
+        """Re-read pending counts from the server: finds tenants' lanes this router has not seen yet (enqueued
+        by another router, or before a restart) and corrects drift."""
+        try:
+            info = await self.js.stream_info(Subjects.QUEUE_STREAM, subjects_filter=Subjects.QUEUE_ALL)
+        except Exception as exc:
+            log.warning("queue_refresh_failed", error=str(exc))
+            return
+        for subject in (info.state.subjects or {}):
+            parts = subject.split(".")
+            if len(parts) == 4 and parts[3].startswith("p") and parts[3][1:].isdigit():
+                with contextlib.suppress(Exception):
+                    await self.lane(parts[2], int(parts[3][1:]))
+        now = time.monotonic()
+        for lane in list(self._lanes.values()):
+            if force or now - lane.checked > 0.5:
+                with contextlib.suppress(Exception):
+                    ci = await lane.sub.consumer_info()
+                    lane.pending = int(ci.num_pending or 0)
+                    lane.checked = now
+
+    async def oldest_wait_ms(self, tenant: str) -> float | None:
+        """How long the oldest still-waiting request of this tenant has waited (any class)."""
+        oldest: float | None = None
+        for (t, klass), lane in self._lanes.items():
+            if t != tenant or lane.pending <= 0:
+                continue
+            with contextlib.suppress(Exception):
+                ci = await lane.sub.consumer_info()
+                raw = await self.js.get_msg(Subjects.QUEUE_STREAM, seq=int(ci.delivered.stream_seq if ci.delivered else 0) + 1,
+                                            subject=Subjects.queue(tenant, klass), next=True)
+                q = proto.decode(raw.data or b"", QueuedRequest)
+                oldest = q.accepted_ms if oldest is None else min(oldest, q.accepted_ms)
+        return None if oldest is None else max(0.0, proto.now_ms() - oldest)
+
+    async def finished_record(self, tenant: str, request_id: str) -> proto.RequestFinished | None:
+        """The request's RequestFinished if it already ended (kept in SS_USAGE)."""
+        try:
+            raw = await self.js.get_last_msg(Subjects.USAGE_STREAM, Subjects.finished(tenant, request_id))
+        except NotFoundError:
+            return None
+        return proto.decode(raw.data or b"", proto.RequestFinished)

@@ -1,0 +1,149 @@
+"""Per-tenant quota accounting: admission checks against the tenants file's limits.
+
+``QuotaBook.check`` answers, before a request is accepted, whether it may be: the first limit it would exceed
+(by name), a precise message, and when to retry (None when retrying cannot help: a prompt over the tenant's
+maximum stays over it). Tokens per minute count prompt + completion over a sliding minute; at admission the
+request reserves prompt + max_tokens, and when it finishes the reservation is replaced by what it really
+used, so a tenant is never refused on tokens it did not spend for long.
+
+Pure and synchronous; ``now`` is passed in (monotonic seconds), so tests drive time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from splitserve.tenancy.config import TenantLimits, TenantsConfig
+
+WINDOW_S = 60.0
+
+
+@dataclass(frozen=True)
+class Refusal:
+    code: str  # "unknown_tenant" | "quota_exceeded" | "prompt_too_long" | "bad_request"
+    limit: str | None  # which limit of the tenants file, e.g. "max_inflight"
+    message: str
+    retry_after_s: float | None = None  # None: retrying the same request will not help
+
+
+@dataclass
+class _Charge:
+    at: float
+    tokens: int
+    in_window: bool = True
+
+
+@dataclass
+class _Usage:
+    inflight: dict[str, _Charge] = field(default_factory=dict)  # request id -> its charge in the window
+    window: deque[_Charge] = field(default_factory=deque)  # charges of the last minute, oldest first
+    window_total: int = 0
+    finish_times: deque[float] = field(default_factory=deque)  # recent finishes, to estimate retry-after
+
+
+class QuotaBook:
+    def __init__(self, config: TenantsConfig) -> None:
+        self.config = config
+        self._u: dict[str, _Usage] = {}
+
+    def _usage(self, tenant: str) -> _Usage:
+        u = self._u.get(tenant)
+        if u is None:
+            u = self._u[tenant] = _Usage()
+        return u
+
+    def _expire(self, u: _Usage, now: float) -> None:
+        while u.window and u.window[0].at <= now - WINDOW_S:
+            old = u.window.popleft()
+            old.in_window = False
+            u.window_total -= old.tokens
+        while u.finish_times and u.finish_times[0] <= now - WINDOW_S:
+            u.finish_times.popleft()
+
+    def inflight(self, tenant: str) -> int:
+        u = self._u.get(tenant)
+        return len(u.inflight) if u else 0
+
+    def tokens_in_window(self, tenant: str, now: float) -> int:
+        u = self._usage(tenant)
+        self._expire(u, now)
+        return u.window_total
+
+    def check(self, tenant: str, prompt_tokens: int, max_tokens: int, queued: int, now: float) -> Refusal | None:
+        lim = self.config.limits(tenant)
+        if lim is None:
+            return Refusal("unknown_tenant", None, f"tenant {tenant!r} is not in the tenants file")
+        if lim.max_prompt_tokens is not None and prompt_tokens > lim.max_prompt_tokens:
+            return Refusal("prompt_too_long", "max_prompt_tokens",
+                           f"prompt has {prompt_tokens:,} tokens; tenant {tenant!r} may send at most "
+                           f"{lim.max_prompt_tokens:,} (max_prompt_tokens)")
+        if lim.max_tokens is not None and max_tokens > lim.max_tokens:
+            return Refusal("bad_request", "max_tokens",
+                           f"max_tokens {max_tokens:,} is over tenant {tenant!r}'s limit of {lim.max_tokens:,}")
+        u = self._usage(tenant)
+        self._expire(u, now)
+        if lim.max_inflight is not None and len(u.inflight) >= lim.max_inflight:
+            return Refusal("quota_exceeded", "max_inflight",
+                           f"tenant {tenant!r} has {len(u.inflight)} requests in flight (queued or running), "
+                           f"its limit (max_inflight); retry when one finishes",
+                           retry_after_s=self._retry_inflight(u, now))
+        if lim.max_queued is not None and queued >= lim.max_queued:
+            return Refusal("quota_exceeded", "max_queued",
+                           f"tenant {tenant!r} has {queued} requests waiting in its queue, its limit "
+                           f"(max_queued); retry later", retry_after_s=self._retry_inflight(u, now))
+        if lim.tokens_per_minute is not None:
+            need = prompt_tokens + max_tokens
+            if need > lim.tokens_per_minute:
+                return Refusal("quota_exceeded", "tokens_per_minute",
+                               f"the request may use {need:,} tokens (prompt {prompt_tokens:,} + max_tokens "
+                               f"{max_tokens:,}), more than tenant {tenant!r}'s {lim.tokens_per_minute:,} "
+                               "tokens per minute; lower max_tokens or the prompt")
+            if u.window_total + need > lim.tokens_per_minute:
+                return Refusal("quota_exceeded", "tokens_per_minute",
+                               f"tenant {tenant!r} used {u.window_total:,} of its {lim.tokens_per_minute:,} "
+                               f"tokens per minute; this request may use {need:,} more",
+                               retry_after_s=self._retry_tpm(u, lim, need, now))
+        return None
+
+    @staticmethod
+    def _retry_inflight(u: _Usage, now: float) -> float:
+        # From the recent finish rate: about one finish interval; at least 0.1 s, at most a minute.
+        if len(u.finish_times) >= 2:
+            span = now - u.finish_times[0]
+            return round(min(WINDOW_S, max(0.1, span / len(u.finish_times))), 3)
+        return 1.0
+
+    @staticmethod
+    def _retry_tpm(u: _Usage, lim: TenantLimits, need: int, now: float) -> float:
+        assert lim.tokens_per_minute is not None
+        excess = u.window_total + need - lim.tokens_per_minute
+        freed = 0
+        for c in u.window:
+            freed += c.tokens
+            if freed >= excess:
+                return round(max(0.001, c.at + WINDOW_S - now), 3)
+        return WINDOW_S
+
+    def admit(self, tenant: str, request_id: str, prompt_tokens: int, max_tokens: int, now: float) -> None:
+        u = self._usage(tenant)
+        if request_id in u.inflight:
+            return  # idempotent: a re-sent request is the same request
+        charge = _Charge(now, prompt_tokens + max_tokens)
+        u.inflight[request_id] = charge
+        u.window.append(charge)
+        u.window_total += charge.tokens
+
+    def finish(self, tenant: str, request_id: str, used_tokens: int | None, now: float) -> bool:
+        """The request ended; ``used_tokens`` (prompt + completion) replaces its reservation in the window
+        (None: it never ran, e.g. refused at dispatch, so nothing is charged). False if it was not ours."""
+        u = self._u.get(tenant)
+        if u is None or request_id not in u.inflight:
+            return False
+        charge = u.inflight.pop(request_id)
+        used = used_tokens or 0
+        if charge.in_window:  # the charge stays dated at admission; only its size becomes the real one
+            u.window_total += used - charge.tokens
+        charge.tokens = used
+        u.finish_times.append(now)
+        return True
