@@ -252,6 +252,9 @@ class PrefillDone(Message):
     first_token: int
     kv: KvHandle
     decode: DecodeJob
+    # Engines that move KV with their own connectors (vLLM's NixlConnector): what the prefiller's engine
+    # returned for the decoder's engine (remote engine id, block ids, host, port...). None with the hf engine.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------------------------- stream
