@@ -1,6 +1,7 @@
 """Inference engines behind one interface (`Engine`), and a registry to load them by name.
 
-Backends are imported lazily: importing this package does not import transformers or vllm.
+Backends are imported lazily: importing this package does not import transformers or vllm. "mock" is not a
+model: it fakes tokens for control-plane load tests (see splitserve.engines.mock).
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ def _load_hf(**opts: Any) -> Engine:
     return HfEngine.load(**opts)
 
 
-_REGISTRY: dict[str, EngineFactory] = {"hf": _load_hf}
+def _load_mock(**opts: Any) -> Engine:
+    from splitserve.engines.mock import MockEngine
+
+    return MockEngine.load(**opts)
+
+
+_REGISTRY: dict[str, EngineFactory] = {"hf": _load_hf, "mock": _load_mock}
 
 
 def register_engine(name: str, factory: EngineFactory) -> None:
@@ -40,8 +47,10 @@ def engine_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def load_engine(name: str, **opts: Any) -> Engine:
-    """Load an engine by name; opts go to its loader (hf: model, dtype, num_threads, max_model_len, name)."""
+def load_engine(name: str, /, **opts: Any) -> Engine:
+    """Load an engine by name; opts go to its loader (hf: model, dtype, num_threads, max_model_len, name;
+    mock: the same plus step_ms, prefill_tokens_per_s, ignoring any other). `name` is positional-only so that
+    the model's display name can be passed as the `name` option."""
     try:
         factory = _REGISTRY[name]
     except KeyError:

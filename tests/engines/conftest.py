@@ -8,8 +8,11 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from splitserve.engines.hf import HfEngine
-from tests.engines.enginetest import TEST_THREADS, make_tiny_model, make_tiny_tokenizer
+# the contract suite's asserts live in a helper module: rewrite them too, for pytest's detailed failures
+pytest.register_assert_rewrite("tests.engines.enginetest")
+
+from splitserve.engines.hf import HfEngine  # noqa: E402
+from tests.engines.enginetest import TEST_THREADS, make_tiny_model, make_tiny_tokenizer  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

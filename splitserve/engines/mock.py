@@ -1,0 +1,304 @@
+"""The `mock` engine: NOT a model. Deterministic fake tokens for control-plane load tests only.
+
+Owns a cheap stand-in for a real backend so queue throughput, fairness and failover can be exercised with
+hundreds of requests on a small machine: the real tokenizer (so token ids agree with the router's), tiny but
+real KV tensors (so the KV transports move real bytes), and sleeps instead of forward passes:
+
+- prefill sleeps ``computed_tokens / prefill_tokens_per_s`` seconds (default 50,000 tokens/s);
+- each batched ``step()`` sleeps ``step_ms`` once, however many sequences are active (default 5 ms).
+
+Both are loader options, also read from ``SPLITSERVE_MOCK_STEP_MS`` and ``SPLITSERVE_MOCK_PREFILL_TPS`` so that
+``splitserve up --engine mock`` and the services can be tuned without new flags (0 disables a sleep).
+
+Output: the token at position p is a pure function of (token at p - 1, p, sampling seed), drawn from the
+largest run of ordinary ids in the vocabulary, so it never emits EOS or a special token (sequences finish by
+max_tokens, stop strings or the length limit). Greedy sampling ignores the seed, as a real model's would.
+
+KV: ``mock_kv`` fills keys with the token id and values with minus the position (plus a fixed per-element
+offset), so a transfer test can check the bytes that arrived without running the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from splitserve.engines.base import (
+    ContextFull,
+    Engine,
+    LayerHook,
+    ModelInfo,
+    PrefillResult,
+    PromptTooLong,
+    Sampling,
+    check_kv,
+)
+from splitserve.engines.model_files import resolve_model
+from splitserve.engines.sampling import _splitmix64
+
+log = logging.getLogger(__name__)
+
+WARNING = "mock engine: not a model; deterministic fake tokens for control-plane load tests"
+STEP_MS_ENV = "SPLITSERVE_MOCK_STEP_MS"
+PREFILL_TPS_ENV = "SPLITSERVE_MOCK_PREFILL_TPS"
+DEFAULT_STEP_MS = 5.0
+DEFAULT_PREFILL_TPS = 50_000.0
+DEFAULT_MAX_MODEL_LEN = 8192
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MASK64 = (1 << 64) - 1
+# per-element offsets step by 1/64: exact in float32 for every token id and position below 2^17
+_OFFSET_SCALE = 1 / 64
+
+
+def _knob(value: float | None, env: str, default: float) -> float:
+    """An explicit option wins over the environment, which wins over the default."""
+    if value is None:
+        raw = os.environ.get(env, "").strip()
+        if not raw:
+            return default
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{env} must be a number, got {raw!r}") from None
+    if not value >= 0:  # also rejects NaN
+        raise ValueError(f"{env.removeprefix('SPLITSERVE_MOCK_').lower()} must be >= 0, got {value}")
+    return float(value)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(directory: Path, gguf_file: str | None) -> Any:
+    # Tokenizer only, never weights: the same files the router tokenizes with, so ids agree. Cached because
+    # tests and benchmarks build several engines in one process and the GGUF tokenizer takes seconds.
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    return AutoTokenizer.from_pretrained(directory, **kwargs)
+
+
+def ordinary_token_range(tokenizer: Any, exclude: Sequence[int] = ()) -> range:
+    """The longest run of consecutive ids that are neither special/added tokens nor in `exclude`."""
+    vocab = len(tokenizer)
+    special = {int(t) for t in getattr(tokenizer, "all_special_ids", ())}
+    special |= {int(t) for t in getattr(tokenizer, "added_tokens_decoder", {})}
+    special |= {int(t) for t in exclude}
+    best, start = range(0), 0
+    for cut in [*sorted(t for t in special if 0 <= t < vocab), vocab]:
+        if cut - start > len(best):
+            best = range(start, cut)
+        start = cut + 1
+    if not best:
+        raise ValueError("the tokenizer has no ordinary (non-special) token ids")
+    return best
+
+
+def mock_kv(token_ids: Sequence[int], info: ModelInfo, start: int = 0) -> Tensor:
+    """KV the mock engine computes for token_ids at positions start, start+1, ...: [L, 2, H, T, D].
+
+    keys[l, h, t, d] = token_id + offset, values[l, h, t, d] = -(position + offset), with
+    offset = (l*H*D + h*D + d) / 64, so every element says which token, position and slot it belongs to.
+    """
+    num = len(token_ids)
+    layers, heads, dim = info.num_layers, info.num_kv_heads, info.head_dim
+    offset = torch.arange(layers * heads * dim, dtype=torch.float64).reshape(layers, heads, 1, dim) * _OFFSET_SCALE
+    tokens = torch.tensor([int(t) for t in token_ids], dtype=torch.float64).reshape(1, 1, num, 1)
+    positions = torch.arange(start, start + num, dtype=torch.float64).reshape(1, 1, num, 1)
+    kv = torch.stack((tokens + offset, -(positions + offset)), dim=1)
+    return kv.to(getattr(torch, info.dtype))
+
+
+@dataclass
+class _Seq:
+    kv: Tensor  # what add_sequence was given (a private copy)
+    last_token: int  # fed at position `length` by the next step
+    key: int  # the sampling key the next tokens derive from
+    fed: list[int] = field(default_factory=list)  # tokens steps have fed (positions kv_len, kv_len + 1, ...)
+
+    @property
+    def length(self) -> int:  # tokens in KV
+        return int(self.kv.shape[3]) + len(self.fed)
+
+
+class MockEngine(Engine):
+    """Engine with a real tokenizer, fake deterministic tokens, tiny real KV, and sleeps for compute time."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        name: str = "mock",
+        max_model_len: int | None = None,
+        dtype: str = "float32",
+        step_ms: float | None = None,
+        prefill_tokens_per_s: float | None = None,
+        num_layers: int = 2,
+        num_kv_heads: int = 1,
+        head_dim: int = 8,
+    ) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        log.warning(WARNING)
+        self.tokenizer = tokenizer
+        self.step_ms = _knob(step_ms, STEP_MS_ENV, DEFAULT_STEP_MS)
+        self.prefill_tokens_per_s = _knob(prefill_tokens_per_s, PREFILL_TPS_ENV, DEFAULT_PREFILL_TPS)
+        eos = tuple(dict.fromkeys(int(t) for t in [tokenizer.eos_token_id] if t is not None))
+        self.info = ModelInfo(
+            # the name is what heartbeats and `splitserve top` show: it must never pass for a real model
+            name=name if name.startswith("mock") else f"mock-{name}",
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            max_model_len=max_model_len or DEFAULT_MAX_MODEL_LEN,
+            eos_token_ids=eos,
+            vocab_size=len(tokenizer),
+        )
+        self.dtype: torch.dtype = DTYPES[dtype]
+        self.token_range = ordinary_token_range(tokenizer, eos)
+        self.load_seconds: float | None = None
+        self._seqs: dict[str, _Seq] = {}
+
+    @classmethod
+    def load(
+        cls,
+        model: str | Path | None = None,
+        *,
+        dtype: str = "float32",
+        num_threads: int | None = None,
+        max_model_len: int | None = None,
+        name: str | None = None,
+        step_ms: float | None = None,
+        prefill_tokens_per_s: float | None = None,
+        **ignored: Any,
+    ) -> MockEngine:
+        """Load only the tokenizer of `model` (default: the bundled SmolLM2), offline; no weights.
+
+        Accepts every option the hf loader does (num_threads is moot: nothing here computes); unknown
+        options are ignored so that services passing newer options still start a mock.
+        """
+        del num_threads
+        if ignored:
+            log.debug("mock engine: ignoring options %s", sorted(ignored))
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        source = resolve_model(model)
+        started = time.perf_counter()
+        tokenizer = _load_tokenizer(source.directory, source.gguf_file)
+        engine = cls(
+            tokenizer,
+            name=name or f"mock-{source.name}",
+            max_model_len=max_model_len,
+            dtype=dtype,
+            step_ms=step_ms,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+        )
+        engine.load_seconds = time.perf_counter() - started
+        return engine
+
+    # -- fake model -----------------------------------------------------------------------------------------
+    def _key(self, sampling: Sampling) -> int:
+        # a real greedy pick does not depend on the seed; sampled output does (an unseeded one acts as seed 0,
+        # so even "random" load-test traffic is reproducible)
+        if sampling.greedy:
+            return 0
+        return _splitmix64(((sampling.seed or 0) + 1) & _MASK64)
+
+    def next_token(self, previous: int, position: int, key: int) -> int:
+        """The token at `position` after `previous` (the token at position - 1): a pure function."""
+        mixed = _splitmix64(_splitmix64(key ^ (previous & _MASK64)) ^ (position & _MASK64))
+        return self.token_range.start + mixed % len(self.token_range)
+
+    # -- tokenizer ------------------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding by default
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    # -- prefill --------------------------------------------------------------------------------------------
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        sampling: Sampling,
+        *,
+        past_kv: Tensor | None = None,
+        on_layer: LayerHook | None = None,
+    ) -> PrefillResult:
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("prefill needs at least one prompt token")
+        if len(ids) >= self.info.max_model_len:
+            raise PromptTooLong(len(ids), self.info.max_model_len)
+        # as in hf: the last prompt token is always recomputed (a real engine needs its logits)
+        reused = 0 if past_kv is None else min(check_kv(past_kv, self.info, "past_kv"), len(ids) - 1)
+        out = torch.empty(self.info.kv_shape(len(ids)), dtype=self.dtype)
+        if past_kv is not None and reused:
+            out[:, :, :, :reused] = past_kv[:, :, :, :reused]
+        out[:, :, :, reused:] = mock_kv(ids[reused:], self.info, start=reused)
+        computed = len(ids) - reused
+        if self.prefill_tokens_per_s > 0:
+            time.sleep(computed / self.prefill_tokens_per_s)
+        if on_layer is not None:
+            for layer in range(self.info.num_layers):
+                on_layer(layer, out[layer, 0], out[layer, 1])
+        first = self.next_token(ids[-1], len(ids), self._key(sampling))
+        return PrefillResult(first_token=first, kv=out, num_computed_tokens=computed)
+
+    # -- decode ---------------------------------------------------------------------------------------------
+    def add_sequence(self, seq_id: str, kv: Tensor, last_token: int, sampling: Sampling) -> None:
+        num_tokens = check_kv(kv, self.info)
+        if not 0 <= int(last_token) < self.info.vocab_size:
+            raise ValueError(f"last_token {last_token} is outside the vocabulary (size {self.info.vocab_size})")
+        if num_tokens + 1 >= self.info.max_model_len:
+            raise PromptTooLong(num_tokens + 1, self.info.max_model_len)
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} is already active")
+        # a copy: decoders hand in views of landing buffers they reuse as soon as this returns
+        own = kv.to(dtype=self.dtype, device="cpu", copy=True)
+        self._seqs[seq_id] = _Seq(own, int(last_token), self._key(sampling))
+
+    def step(self) -> dict[str, int]:
+        if not self._seqs:
+            return {}
+        for seq_id, seq in self._seqs.items():
+            if seq.length + 2 > self.info.max_model_len:
+                raise ContextFull(seq_id, seq.length + 2, self.info.max_model_len)
+        if self.step_ms > 0:
+            time.sleep(self.step_ms / 1000)  # once per batch: a batched forward costs about one step
+        out: dict[str, int] = {}
+        for seq_id, seq in self._seqs.items():
+            token = self.next_token(seq.last_token, seq.length + 1, seq.key)
+            seq.fed.append(seq.last_token)
+            seq.last_token = token
+            out[seq_id] = token
+        return out
+
+    def remove_sequence(self, seq_id: str, *, keep_kv: bool = True) -> Tensor | None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None or not keep_kv:
+            return None
+        if not seq.fed:
+            return seq.kv
+        # the fed tokens' KV is built only now: steps stay O(batch) integer work, no tensor traffic
+        return torch.cat((seq.kv, mock_kv(seq.fed, self.info, start=int(seq.kv.shape[3]))), dim=3)
+
+    def active(self) -> int:
+        return len(self._seqs)
+
+    def active_ids(self) -> list[str]:
+        return list(self._seqs)
