@@ -28,6 +28,26 @@ def _main() -> None:
 
 
 NatsUrlOpt = typer.Option(None, "--nats-url", help="NATS server (default: the stack started on this machine)")
+# A tenant's NATS credentials (a stack started with --tenants requires them). Without --tenant the tenant is
+# the user name.
+UserOpt = typer.Option(None, "--user", envvar="SPLITSERVE_NATS_USER", help="NATS user (the tenant's name)")
+PasswordOpt = typer.Option(None, "--password", envvar="SPLITSERVE_NATS_PASSWORD", help="NATS password")
+NkeySeedOpt = typer.Option(None, "--nkey-seed", envvar="SPLITSERVE_NATS_NKEY_SEED",
+                           help="file holding the tenant's nkey seed (instead of --user/--password)")
+TenantOpt = typer.Option(None, "--tenant", help="tenant (default: the --user, else 'default')")
+
+
+def _client(nats_url: str | None, tenant: str | None, user: str | None, password: str | None,
+            nkey_seed: str | None) -> Any:
+    from splitserve.client import Client
+
+    return Client(nats_url, tenant=tenant, user=user, password=password, nkey_seed=nkey_seed)
+
+
+def _operator_creds(url: str) -> tuple[str | None, str | None]:
+    """(user, password) for operator commands: env, else the local stack's admin user, else none."""
+    creds = discovery.admin_credentials(url)
+    return (None, None) if creds is None else creds
 
 
 @app.command()
@@ -57,6 +77,9 @@ def up(
     http_port: int = typer.Option(8000, "--http-port", help="OpenAI-compatible HTTP API port (0 = a free one; "
                                   "a free one if taken)"),
     log_level: str = typer.Option("INFO", "--log-level"),
+    tenants: Path | None = typer.Option(None, "--tenants", exists=True, dir_okay=False,
+                                        help="tenants file: one NATS user per tenant and per service, each tenant "
+                                             "confined to its own subjects (see README)"),
 ) -> None:
     """Start NATS and every service; Ctrl-C stops them all."""
     from splitserve.stack import Stack, StackConfig, run_stack
@@ -69,7 +92,14 @@ def up(
                       nats_port=nats_port, state_dir=state_dir or discovery.home() / "stack", threads=threads,
                       cache_tokens=cache_tokens, l1_tokens=l1_tokens, prefill_cpus=prefill_cpus,
                       decode_cpus=decode_cpus, colocated=colocated, max_stall_ms=max_stall_ms,
-                      http_port=http_port, log_level=log_level)
+                      http_port=http_port, log_level=log_level, tenants_file=tenants.resolve() if tenants else None)
+    if tenants is not None:
+        from splitserve.tenancy.config import load_tenants
+
+        try:
+            load_tenants(tenants)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--tenants") from None
     typer.echo(f"splitserve: starting {prefill} prefill + {decode} decode worker(s), engine {engine}, "
                f"transport {transport}, strategy {strategy} (logs in {cfg.state_dir / 'logs'})")
 
@@ -88,7 +118,10 @@ def up(
 def generate(
     prompt: str = typer.Argument(..., help="the prompt ('-' reads it from stdin)"),
     nats_url: str | None = NatsUrlOpt,
-    tenant: str = typer.Option("default", "--tenant"),
+    tenant: str | None = TenantOpt,
+    user: str | None = UserOpt,
+    password: str | None = PasswordOpt,
+    nkey_seed: str | None = NkeySeedOpt,
     max_tokens: int = typer.Option(128, "--max-tokens"),
     temperature: float = typer.Option(0.0, "--temperature"),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -100,13 +133,11 @@ def generate(
     route: str = typer.Option("auto", "--route", help="auto | direct | disaggregated (force a path)"),
 ) -> None:
     """Generate a completion, streaming it to the terminal."""
-    from splitserve.client import Client
-
     if prompt == "-":
         prompt = sys.stdin.read()
 
     async def go() -> int:
-        async with Client(nats_url, tenant=tenant) as c:
+        async with _client(nats_url, tenant, user, password, nkey_seed) as c:
             gen = c.generate(prompt, chat=chat, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                              seed=seed, stop=stop, session_id=session_id,
                              route=route)  # type: ignore[arg-type]  # validated by the request model
@@ -138,7 +169,10 @@ def generate(
 def submit(
     prompt: str = typer.Argument(..., help="the prompt ('-' reads it from stdin)"),
     nats_url: str | None = NatsUrlOpt,
-    tenant: str = typer.Option("default", "--tenant"),
+    tenant: str | None = TenantOpt,
+    user: str | None = UserOpt,
+    password: str | None = PasswordOpt,
+    nkey_seed: str | None = NkeySeedOpt,
     max_tokens: int = typer.Option(128, "--max-tokens"),
     temperature: float = typer.Option(0.0, "--temperature"),
     seed: int | None = typer.Option(None, "--seed"),
@@ -146,13 +180,11 @@ def submit(
     timeout: float | None = typer.Option(None, "--timeout", help="deadline in seconds"),
 ) -> None:
     """Submit an async job: prints its request id at once; fetch the result later with `result`."""
-    from splitserve.client import Client
-
     if prompt == "-":
         prompt = sys.stdin.read()
 
     async def go() -> str:
-        async with Client(nats_url, tenant=tenant) as c:
+        async with _client(nats_url, tenant, user, password, nkey_seed) as c:
             return await c.submit(prompt, chat=chat, max_tokens=max_tokens, temperature=temperature, seed=seed,
                                   timeout=timeout)
 
@@ -167,15 +199,17 @@ def submit(
 def result(
     request_id: str = typer.Argument(...),
     nats_url: str | None = NatsUrlOpt,
-    tenant: str = typer.Option("default", "--tenant"),
+    tenant: str | None = TenantOpt,
+    user: str | None = UserOpt,
+    password: str | None = PasswordOpt,
+    nkey_seed: str | None = NkeySeedOpt,
     wait: float = typer.Option(0.0, "--wait", help="seconds to wait for a job still running"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """A submitted job's result (exit code 3 while it is still running)."""
-    from splitserve.client import Client
 
     async def go() -> object:
-        async with Client(nats_url, tenant=tenant) as c:
+        async with _client(nats_url, tenant, user, password, nkey_seed) as c:
             return await c.result(request_id, wait=wait)
 
     try:
@@ -223,7 +257,9 @@ def top(
 
     async def go() -> None:
         try:
-            nc = await nats_client.connect(url, connect_timeout=3, max_reconnect_attempts=0)
+            user, password = _operator_creds(url)
+            nc = await nats_client.connect(url, connect_timeout=3, max_reconnect_attempts=0, user=user,
+                                           password=password)
         except Exception as exc:
             raise errors.Unavailable(f"cannot connect to NATS at {url}: {exc}") from None
         await nc.subscribe(proto.Subjects.HEARTBEAT_ALL, cb=feed)
@@ -331,7 +367,9 @@ def trace_cmd(
         raise typer.Exit(2)
 
     async def load() -> list[dict[str, Any]]:
-        bus = await Bus.connect(discovery.resolve_nats_url(nats_url), "cli:trace", reconnect=False)
+        url = discovery.resolve_nats_url(nats_url)
+        user, password = _operator_creds(url)
+        bus = await Bus.connect(url, "cli:trace", reconnect=False, user=user, password=password)
         try:
             return await tracing.read_spans(bus.nc)
         finally:

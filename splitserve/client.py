@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
@@ -40,8 +41,9 @@ from proto import (
 from splitserve import errors
 from splitserve.discovery import resolve_nats_url
 from splitserve.obs import tracing
-from splitserve.runtime.bus import Bus
+from splitserve.runtime.bus import Bus, NotAuthorized, PermissionDenied
 from splitserve.runtime.bus import PayloadTooLarge as _BusPayloadTooLarge
+from splitserve.tenancy import natsauth
 
 
 @dataclass(frozen=True)
@@ -229,19 +231,36 @@ class Client:
         self,
         nats_url: str | None = None,
         *,
-        tenant: str = "default",
+        tenant: str | None = None,
         user: str | None = None,
         password: str | None = None,
         accept_timeout: float = 30.0,
         idle_timeout: float = 120.0,
         gap_timeout: float = 5.0,
         bus: Bus | None = None,
+        nkey_seed: str | None = None,
+        inbox_prefix: str | None = None,
     ) -> None:
+        # Credentials: explicit, else $SPLITSERVE_NATS_USER / _PASSWORD / _NKEY_SEED (as the CLI reads them).
+        # A lent connection brings its own.
+        if bus is None and user is None and nkey_seed is None:
+            user = os.environ.get(natsauth.ENV_USER) or None
+            password = password or os.environ.get(natsauth.ENV_PASSWORD) or None
+            nkey_seed = None if user else os.environ.get(natsauth.ENV_NKEY_SEED) or None
+        # The tenant defaults to the NATS user (a tenant's user is named after it), else "default".
+        if tenant is None:
+            tenant = user if user and not user.startswith("svc.") else "default"
         proto.subjects.check_token(tenant, "tenant")
         self.nats_url = resolve_nats_url(nats_url)
         self.tenant = tenant
         self.user = user
         self.password = password
+        self.nkey_seed = nkey_seed
+        # An authenticated tenant may only receive replies under its own inbox prefix (see
+        # splitserve.tenancy.natsauth); derive it so request/reply works under those permissions.
+        if inbox_prefix is None and (user or nkey_seed) and not (user or "").startswith("svc."):
+            inbox_prefix = natsauth.tenant_inbox(tenant)
+        self.inbox_prefix = inbox_prefix
         self.accept_timeout = accept_timeout
         self.idle_timeout = idle_timeout
         self.gap_timeout = gap_timeout  # how long a missing stream message may stay missing
@@ -255,10 +274,19 @@ class Client:
             return self
         try:
             self._bus = await Bus.connect(self.nats_url, f"client:{self.tenant}", user=self.user,
-                                          password=self.password, reconnect=True)
+                                          password=self.password, nkey_seed=self.nkey_seed,
+                                          inbox_prefix=self.inbox_prefix, reconnect=True)
+        except NotAuthorized as exc:
+            hint = ("" if self.user or self.nkey_seed else
+                    "; this server requires credentials: pass user=/password= (CLI: --user/--password, or "
+                    f"${natsauth.ENV_USER}/${natsauth.ENV_PASSWORD})")
+            raise errors.NotAuthorized(f"{exc}{hint}") from None
         except Exception as exc:
             raise errors.Unavailable(f"cannot connect to NATS at {self.nats_url}: {exc}") from None
-        tracing.setup_tracing("client", f"client-{uuid.uuid4().hex[:8]}", self._bus)
+        if self.inbox_prefix is None:
+            # A tenant may not publish spans (only its own request subjects): its spans are not exported, the
+            # trace context still travels with its requests.
+            tracing.setup_tracing("client", f"client-{uuid.uuid4().hex[:8]}", self._bus)
         return self
 
     async def close(self) -> None:
@@ -311,9 +339,21 @@ class Client:
         js = self._require().nc.jetstream()
         subject = proto.Subjects.result(tenant or self.tenant, request_id)
         deadline = time.monotonic() + wait
+        # Direct get by subject: the request subject is $JS.API.DIRECT.GET.SS_RESULTS.<subject>, which a
+        # tenant's permissions allow for its own results only (the general JetStream API is not open to it).
+        direct = True
         while True:
             try:
-                raw = await js.get_last_msg(proto.Subjects.RESULTS_STREAM, subject)
+                raw = await js.get_last_msg(proto.Subjects.RESULTS_STREAM, subject, direct=direct)
+            except NoRespondersError:
+                if direct and self.inbox_prefix is None:
+                    direct = False  # a results stream created before allow_direct: the plain API still works
+                    continue
+                raise errors.Unavailable(f"the results store {proto.Subjects.RESULTS_STREAM} does not answer "
+                                         f"(no router has created it yet?)", request_id=request_id) from None
+            except (NatsTimeout, TimeoutError):
+                raise errors.Timeout(f"the results store did not answer for request {request_id}",
+                                     request_id=request_id) from None
             except NotFoundError:
                 if time.monotonic() >= deadline:
                     return None
@@ -338,6 +378,9 @@ class Client:
         except NoRespondersError:
             raise errors.Unavailable(f"no router is serving requests at {self.nats_url}",
                                      request_id=req.request_id) from None
+        except PermissionDenied as exc:
+            raise errors.NotAuthorized(f"tenant {req.tenant!r} is not permitted with these credentials: {exc}",
+                                       request_id=req.request_id) from None
         except (NatsTimeout, TimeoutError):
             raise errors.Timeout(f"no router answered within {self.accept_timeout:.0f}s",
                                  request_id=req.request_id) from None
@@ -395,11 +438,12 @@ class Client:
 
 
 def complete_sync(prompt: str | Sequence[dict[str, str]] | Sequence[int], *, nats_url: str | None = None,
-                  tenant: str = "default", **kw: Any) -> Result:
+                  tenant: str | None = None, user: str | None = None, password: str | None = None,
+                  **kw: Any) -> Result:
     """Blocking one-shot helper for scripts."""
 
     async def go() -> Result:
-        async with Client(nats_url, tenant=tenant) as c:
+        async with Client(nats_url, tenant=tenant, user=user, password=password) as c:
             return await c.complete(prompt, **kw)
 
     return asyncio.run(go())

@@ -3,6 +3,10 @@ command on this machine reaches it with no flags.
 
 Resolution order for a NATS URL: explicit argument, ``$SPLITSERVE_NATS_URL``, the running stack's state
 file (``$SPLITSERVE_HOME/stack.json``, default ``~/.splitserve``), then ``nats://127.0.0.1:4222``.
+
+The state file holds no secret. A stack started with a tenants file keeps its operator (``admin``)
+credentials under its state directory, readable by its owner only: :func:`admin_credentials` finds them for
+the CLI's operator commands, and only for that stack's own URL (never sent to another server).
 """
 
 from __future__ import annotations
@@ -68,3 +72,17 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def admin_credentials(url: str) -> tuple[str, str] | None:
+    """The operator credentials for ``url``: ``$SPLITSERVE_NATS_USER``/``_PASSWORD`` when set, else the
+    local stack's admin user when ``url`` is that stack's, else None (an open server)."""
+    from splitserve.tenancy import natsauth
+
+    user = os.environ.get(natsauth.ENV_USER)
+    if user:
+        return user, os.environ.get(natsauth.ENV_PASSWORD, "")
+    data = read_stack()
+    if not data or data.get("nats_url") != url or not data.get("state_dir"):
+        return None
+    return natsauth.read_admin_credentials(Path(str(data["state_dir"])))

@@ -63,6 +63,13 @@ class Unavailable(SplitserveError):
     code = ErrorCode.NO_WORKERS
 
 
+class NotAuthorized(SplitserveError):
+    """The NATS server refused this client's credentials, or refused a subject they do not permit (another
+    tenant's). Not retryable: fix the credentials or the tenant."""
+
+    code = ErrorCode.UNKNOWN_TENANT
+
+
 _BY_CODE: dict[ErrorCode, type[SplitserveError]] = {
     ErrorCode.BAD_REQUEST: BadRequest,
     ErrorCode.UNSUPPORTED_VERSION: BadRequest,

@@ -54,13 +54,17 @@ def free_port(preferred: int | None = None, host: str = "127.0.0.1") -> int:
 def write_config(path: Path, *, port: int, store_dir: Path, max_payload: int = DEFAULT_MAX_PAYLOAD,
                  host: str = "127.0.0.1", extra: str = "") -> Path:
     mb = max_payload // (1024 * 1024)
-    path.write_text(
-        f'listen: "{host}:{port}"\n'
-        f"max_payload: {mb}MB\n"
-        f"max_pending: {max(64, 4 * mb)}MB\n"
-        f'jetstream {{\n  store_dir: "{store_dir}"\n  max_memory_store: 256MB\n  max_file_store: 4GB\n}}\n'
-        f"{extra}\n"
-    )
+    # Owner-only from the start: with a tenants file the config holds every user's password.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(
+            f'listen: "{host}:{port}"\n'
+            f"max_payload: {mb}MB\n"
+            f"max_pending: {max(64, 4 * mb)}MB\n"
+            f'jetstream {{\n  store_dir: "{store_dir}"\n  max_memory_store: 256MB\n  max_file_store: 4GB\n}}\n'
+            f"{extra}\n"
+        )
     return path
 
 

@@ -24,6 +24,9 @@ from proto import Heartbeat, Subjects
 from splitserve import discovery
 from splitserve.natsserver import NatsServer, child_preexec, free_port, start_nats
 from splitserve.runtime.bus import Bus
+from splitserve.tenancy import natsauth
+from splitserve.tenancy.config import load_tenants
+from splitserve.tenancy.natsauth import StackAuth
 
 
 @dataclass
@@ -49,6 +52,8 @@ class StackConfig:
     max_stall_ms: float = 250.0
     http_port: int = 8000  # the OpenAI-compatible front door; 0 (or taken) = a free port
     log_level: str = "INFO"
+    # Tenants file (splitserve.tenancy.config): NATS users and permissions per tenant and per service.
+    tenants_file: Path | None = None
 
 
 @dataclass
@@ -74,6 +79,7 @@ class Stack:
         self.children: list[Child] = []
         self.stopping = asyncio.Event()
         self.logs = cfg.state_dir / "logs"
+        self.auth: StackAuth | None = None  # set when running with a tenants file
 
     def _children(self) -> list[Child]:
         c = self.cfg
@@ -82,6 +88,7 @@ class Stack:
         eng = ["--engine", c.engine, "--dtype", c.dtype, "--transport", c.transport]
         if c.model:
             eng += ["--model", c.model]
+        tenants = ["--tenants", str(c.tenants_file)] if c.tenants_file else []
         out_eng = {"prefill": list(eng), "decode": list(eng)}
         pools = self._cpu_pools()
         for role in ("prefill", "decode"):
@@ -98,7 +105,8 @@ class Stack:
         out = [Child("router-0", "router", py + ["services.router", "--worker-id", "router-0", "--strategy",
                                                  c.strategy, "--disagg-threshold",
                                                  str(10**9 if c.colocated else c.disagg_threshold), *router_extra,
-                                                 *(["--model", c.model] if c.model else []), *common],
+                                                 *(["--model", c.model] if c.model else []), *tenants,
+                                                 *common],
                      self.logs / "router-0.log"),
                Child("cache-index-0", "cache_index", py + ["services.cache_index", "--worker-id", "cache-index-0",
                                                            *common], self.logs / "cache-index-0.log")]
@@ -116,7 +124,7 @@ class Stack:
         port = free_port(c.http_port or None)
         self.http_url = f"http://127.0.0.1:{port}"
         out.append(Child("frontend-0", "frontend", py + ["services.frontend", "--worker-id", "frontend-0",
-                                                        "--port", str(port), *common],
+                                                        "--port", str(port), *tenants, *common],
                          self.logs / "frontend-0.log"))
         return out
 
@@ -143,6 +151,11 @@ class Stack:
         ch.log.parent.mkdir(parents=True, exist_ok=True)
         with open(ch.log, "ab") as out:
             env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+            if self.auth is not None:
+                # Each service authenticates as its role's user; the environment (not argv, which any local
+                # user can read in ps) carries the password. A tenant's own variables must not leak in.
+                env.pop(natsauth.ENV_NKEY_SEED, None)
+                env[natsauth.ENV_USER], env[natsauth.ENV_PASSWORD] = self.auth.credentials(ch.role)
             ch.proc = subprocess.Popen(ch.argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                        preexec_fn=child_preexec)
         ch.ready = False
@@ -151,12 +164,28 @@ class Stack:
     async def run(self, on_ready: Callable[[Stack], None] | None = None) -> int:
         c = self.cfg
         self.logs.mkdir(parents=True, exist_ok=True)
+        auth_conf = ""
+        if c.tenants_file is not None:
+            self.auth = natsauth.prepare_stack_auth(c.state_dir, load_tenants(c.tenants_file))
+            auth_conf = self.auth.config
+            assert self.auth.auth_dir is not None
+            conf_path = self.auth.auth_dir / "nats-auth.conf"
+            natsauth.write_private(conf_path, auth_conf)
+            self.echo(f"  {'auth':<15} {len(self.auth.service_secrets)} service users + tenants from "
+                      f"{c.tenants_file}; secrets under {self.auth.auth_dir} (mode 0600)")
+            if self.auth.generated_tenants:
+                self.echo(f"  {'auth':<15} generated passwords for tenant(s) "
+                          f"{', '.join(sorted(self.auth.generated_tenants))}: "
+                          f"{self.auth.auth_dir / natsauth.TENANTS_FILE}")
+            if self.nats_url:
+                self.echo(f"  {'auth':<15} external NATS server: its config must include {conf_path}")
         if not self.nats_url:
             self.nats = await asyncio.to_thread(start_nats, c.state_dir / "nats", port=c.nats_port,
-                                                log_file=self.logs / "nats.log")
+                                                log_file=self.logs / "nats.log", extra_config=auth_conf)
             self.nats_url = self.nats.url
             self.echo(f"  {'nats':<15} ready  {self.nats_url}  (pid {self.nats.proc.pid})")
-        bus = await Bus.connect(self.nats_url, "supervisor")
+        admin = self.auth.credentials(natsauth.ADMIN_ROLE) if self.auth else (None, None)
+        bus = await Bus.connect(self.nats_url, "supervisor", user=admin[0], password=admin[1])
         try:
             self.children = self._children()
             sub = await bus.nc.subscribe(Subjects.HEARTBEAT_ALL, cb=self._on_hb)
@@ -166,8 +195,10 @@ class Stack:
             rc = await self._wait_ready(t0)
             if rc != 0:
                 return rc
+            # No secret goes here (the file is readable by anyone who can read the home directory): operator
+            # commands find the admin credentials under state_dir/auth, readable by the stack's owner only.
             discovery.write_stack({"pid": os.getpid(), "nats_url": self.nats_url, "state_dir": str(c.state_dir),
-                                   "services": [ch.name for ch in self.children]})
+                                   "auth": self.auth is not None, "services": [ch.name for ch in self.children]})
             if on_ready:
                 on_ready(self)
             await self._supervise()

@@ -22,17 +22,32 @@ def main(
     api_keys: Path | None = typer.Option(None, exists=True, dir_okay=False,
                                          help="JSON or YAML mapping API key -> tenant; without it there is no "
                                               "auth and every request is tenant 'default'"),
+    tenants: Path | None = typer.Option(None, exists=True, dir_okay=False,
+                                        help="tenants file: its tenants' api_keys are accepted too (a tenants "
+                                             "file with keys turns key auth on)"),
     log_level: str = LogLevel,
 ) -> None:
     from services.frontend.app import load_api_keys
     from services.frontend.service import FrontendService
+    from splitserve.tenancy.config import load_tenants
 
-    keys = None
+    keys: dict[str, str] | None = None
     if api_keys is not None:
         try:
             keys = load_api_keys(api_keys)
         except (OSError, ValueError) as exc:
             raise typer.BadParameter(str(exc), param_hint="--api-keys") from None
+    if tenants is not None:
+        try:
+            cfg = load_tenants(tenants)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--tenants") from None
+        from_file = {k: name for name, spec in cfg.tenants.items() for k in spec.api_keys}
+        if any(keys and k in keys and keys[k] != t for k, t in from_file.items()):
+            raise typer.BadParameter("an API key maps to different tenants in --api-keys and --tenants",
+                                     param_hint="--tenants")
+        if from_file:
+            keys = {**(keys or {}), **from_file}
     run_service(FrontendService(worker_id, nats_url, host=host, port=port, model_name=model_name, api_keys=keys,
                                 log_level=log_level))
 

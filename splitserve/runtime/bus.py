@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -36,12 +37,42 @@ class PayloadTooLarge(Exception):
         self.limit = limit
 
 
+class NotAuthorized(Exception):
+    """The NATS server refused these credentials (wrong user/password/nkey, or none given to a server that
+    requires them)."""
+
+
+class PermissionDenied(Exception):
+    """The NATS server refused a publish or subscribe this connection is not permitted to make."""
+
+    def __init__(self, operation: str, subject: str) -> None:
+        super().__init__(f"the NATS server refused to let this connection {operation} {subject!r} "
+                         f"(not permitted for these credentials)")
+        self.operation = operation
+        self.subject = subject
+
+
+_VIOLATION = re.compile(r"permissions violation for (publish|subscription) to \"?([^\"']+)\"?", re.IGNORECASE)
+
+
+def parse_permission_error(err: BaseException) -> PermissionDenied | None:
+    """nats-py reports a refused publish/subscribe only as text through the error callback; recover it."""
+    m = _VIOLATION.search(str(err))
+    if m is None:
+        return None
+    return PermissionDenied("publish to" if m.group(1).lower() == "publish" else "subscribe to", m.group(2).strip())
+
+
 class Bus:
     def __init__(self, nc: NATS, name: str) -> None:
         self.nc = nc
         self.name = name
         self._reconnects = [0]
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Requests waiting on a subject, failed at once if the server refuses the publish (instead of waiting
+        # out the timeout for a reply that cannot come).
+        self._pending: dict[str, set[asyncio.Future[None]]] = {}
+        self.denied: list[PermissionDenied] = []  # the latest refusals, for callers and tests
 
     @classmethod
     async def connect(
@@ -51,10 +82,27 @@ class Bus:
         *,
         user: str | None = None,
         password: str | None = None,
+        nkey_seed: str | None = None,
+        inbox_prefix: str | None = None,
         connect_timeout: float = 5.0,
         reconnect: bool = True,
     ) -> Bus:
+        """Connect. ``user``/``password`` or ``nkey_seed`` (a seed file's path) authenticate; ``inbox_prefix``
+        (``_INBOX.<tenant>`` for a tenant) is where replies to this connection's requests arrive, which is what
+        a tenant's permissions allow it to subscribe to. Raises :class:`NotAuthorized` when the server refuses
+        the credentials."""
+        holder: list[Bus] = []
+        auth_failed: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+
         async def on_error(e: Exception) -> None:
+            denied = parse_permission_error(e)
+            if denied is not None:
+                log.warning("nats_permission_denied", operation=denied.operation, subject=denied.subject)
+                if holder:
+                    holder[0]._on_denied(denied)
+                return
+            if _is_auth_error(e) and not auth_failed.done():
+                auth_failed.set_result(e)
             log.warning("nats_error", error=str(e))
 
         async def on_disconnect() -> None:
@@ -68,11 +116,17 @@ class Bus:
             log.info("nats_reconnected")
 
         nc = NATS()
+        opts: dict[str, Any] = {}
+        if nkey_seed:
+            opts["nkeys_seed"] = nkey_seed
+        if inbox_prefix:
+            opts["inbox_prefix"] = inbox_prefix
         connecting = nc.connect(
             url,
             name=name,
             user=user,
             password=password,
+            **opts,
             connect_timeout=connect_timeout,  # type: ignore[arg-type]  # floats work; stubs say int
             allow_reconnect=reconnect,
             max_reconnect_attempts=-1 if reconnect else 0,
@@ -83,15 +137,43 @@ class Bus:
         )
         # With unlimited reconnects nats-py retries the *initial* connect forever; bound it so that a wrong
         # URL is a clear error. Once connected, reconnects are unlimited (a NATS restart is survivable).
+        # A refused login is final: stop at once rather than retry it until the timeout.
+        task = asyncio.ensure_future(connecting)
         try:
-            await asyncio.wait_for(connecting, timeout=connect_timeout * 2)
-        except Exception:
-            with contextlib.suppress(Exception):
+            racing: set[asyncio.Future[Any]] = {task, auth_failed}
+            done, _ = await asyncio.wait(racing, timeout=connect_timeout * 2,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                task.result()
+            elif auth_failed in done:
+                task.cancel()
+                raise NotAuthorized(f"the NATS server at {url} refused the credentials "
+                                    f"({_who(user, nkey_seed)}): {auth_failed.result()}")
+            else:
+                task.cancel()
+                raise TimeoutError(f"no connection to NATS at {url} within {connect_timeout * 2:.0f}s")
+        except BaseException as exc:
+            with contextlib.suppress(BaseException):
                 await nc.close()
-            raise
+            if isinstance(exc, NotAuthorized) or not _is_auth_error(exc):
+                raise
+            raise NotAuthorized(f"the NATS server at {url} refused the credentials "
+                                f"({_who(user, nkey_seed)}): {exc}") from None
         bus = cls(nc, name)
         bus._reconnects = reconnects
+        holder.append(bus)
         return bus
+
+    def _on_denied(self, denied: PermissionDenied) -> None:
+        # nats-py lower-cases the server's error text: match the (case-sensitive) subjects of waiting
+        # requests case-insensitively and report the subject as it was sent.
+        for subject, waiting in self._pending.items():
+            if subject.lower() == denied.subject.lower():
+                denied = PermissionDenied(denied.operation, subject)
+                for fut in waiting:
+                    if not fut.done():
+                        fut.set_exception(denied)
+        self.denied = [*self.denied[-15:], denied]
 
     @property
     def reconnects(self) -> int:
@@ -129,9 +211,29 @@ class Bus:
         Raises nats' NoRespondersError / TimeoutError untouched so callers can name the cause.
         """
         data = self._payload(msg)
-        resp = await self.nc.request(
+        refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting = self._pending.setdefault(subject, set())
+        waiting.add(refused)
+        req = asyncio.ensure_future(self.nc.request(
             subject, data, timeout=timeout, headers=tracing.inject(proto.headers_for(msg, headers))
-        )
+        ))
+        try:
+            racing: set[asyncio.Future[Any]] = {req, refused}
+            await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+            if not req.done():  # the server refused the publish: PermissionDenied
+                req.cancel()
+                refused.result()
+            resp = req.result()
+        finally:
+            waiting.discard(refused)
+            if not waiting:
+                self._pending.pop(subject, None)
+            if not req.done():
+                req.cancel()
+            if not refused.done():
+                refused.cancel()
+            elif not refused.cancelled():
+                refused.exception()  # retrieved: a late refusal after the reply is not an error to report
         if resp.headers and resp.headers.get(proto.HEADER_KIND) == "error":
             return proto.decode(resp.data, StreamError)
         return proto.decode(resp.data, reply_model)
@@ -195,3 +297,17 @@ class Bus:
             await self.nc.drain()
         except Exception:
             await self.nc.close()
+
+
+def _is_auth_error(exc: BaseException) -> bool:
+    from nats.errors import AuthorizationError
+
+    return isinstance(exc, AuthorizationError) or "authorization violation" in str(exc).lower()
+
+
+def _who(user: str | None, nkey_seed: str | None) -> str:
+    if user:
+        return f"user {user!r}"
+    if nkey_seed:
+        return f"nkey seed {nkey_seed}"
+    return "no credentials given"

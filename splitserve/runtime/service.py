@@ -20,6 +20,7 @@ from proto import Heartbeat, Subjects, WorkerLoad
 from splitserve.obs.log import configure_logging, get_logger
 from splitserve.obs.tracing import flush_tracing, setup_tracing
 from splitserve.runtime.bus import Bus
+from splitserve.tenancy.natsauth import ENV_NKEY_SEED, ENV_PASSWORD, ENV_USER
 
 
 class Service:
@@ -91,7 +92,12 @@ class Service:
             await asyncio.sleep(self.heartbeat_s)
 
     async def run(self) -> None:
-        self.bus = await Bus.connect(self.nats_url, f"{self.role}:{self.worker_id}")
+        # Credentials come from the supervisor through the environment (``splitserve up --tenants``: one NATS
+        # user per service role); without them the server must be running without authentication.
+        self.bus = await Bus.connect(self.nats_url, f"{self.role}:{self.worker_id}",
+                                     user=os.environ.get(ENV_USER) or None,
+                                     password=os.environ.get(ENV_PASSWORD) or None,
+                                     nkey_seed=os.environ.get(ENV_NKEY_SEED) or None)
         # After connecting: the embedded span exporter publishes on this connection.
         setup_tracing(self.role, self.worker_id, self.bus)
         hb_task = asyncio.create_task(self._heartbeat_loop())

@@ -1,0 +1,211 @@
+"""NATS authentication and per-tenant permissions for ``splitserve up --tenants FILE``.
+
+The isolation between tenants is enforced by nats-server itself, not by our services: every tenant connects
+as its own NATS user whose permissions name only its own subjects, so a tenant that publishes to another
+tenant's request subject or subscribes to another tenant's stream is refused by the server.
+
+A tenant ``T`` may
+
+- publish: ``ss.req.T`` (request/reply to a router), ``ss.cancel.T``, and the JetStream *direct get* API
+  restricted to its own async results (``$JS.API.DIRECT.GET.SS_RESULTS.ss.result.T.>``: the subject to read is
+  part of the request subject, which is what makes it permissionable per tenant);
+- subscribe: ``ss.stream.T.>``, ``ss.result.T.>``, ``ss.evt.finished.T[.>]`` and its own reply inbox
+  ``_INBOX.T.>`` (clients connect with ``inbox_prefix=_INBOX.T`` so replies to one tenant are invisible to the
+  others).
+
+Services (router, prefill, decode, cache index, front door) and the operator (``admin``: the supervisor and
+the CLI's operator commands) are trusted: each authenticates as its own user with a generated password and
+may publish and subscribe everything.
+
+:func:`nats_auth_config` is pure (tenants + secrets -> config text). The helpers below it keep the generated
+secrets in files under the stack's state directory (mode 0600), reused across restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from proto.subjects import Subjects, check_token
+from splitserve.tenancy.config import TenantsConfig
+
+# Every service role that connects to NATS, plus the operator. Multiple workers of a role share one user.
+SERVICE_ROLES: tuple[str, ...] = ("router", "prefill", "decode", "cache_index", "frontend", "admin")
+ADMIN_ROLE = "admin"
+INBOX_ROOT = "_INBOX"
+AUTH_DIR = "auth"
+SERVICES_FILE = "services.json"
+TENANTS_FILE = "tenants.json"
+# Environment variables through which a process is given its NATS credentials (services get them from the
+# supervisor, the CLI from the user's shell).
+ENV_USER = "SPLITSERVE_NATS_USER"
+ENV_PASSWORD = "SPLITSERVE_NATS_PASSWORD"
+ENV_NKEY_SEED = "SPLITSERVE_NATS_NKEY_SEED"
+
+
+def service_user(role: str) -> str:
+    """The NATS user of a service role. The dot cannot occur in a tenant name (a subject token), so a tenant
+    can never be named like a service user."""
+    if role not in SERVICE_ROLES:
+        raise ValueError(f"unknown service role {role!r}")
+    return f"svc.{role}"
+
+
+def tenant_inbox(tenant: str) -> str:
+    """The reply-inbox prefix of a tenant's connections (nats-py ``connect(inbox_prefix=...)``)."""
+    return f"{INBOX_ROOT}.{check_token(tenant, 'tenant')}"
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+
+
+ALL = Permissions(publish=(">",), subscribe=(">",))
+
+
+def tenant_permissions(tenant: str) -> Permissions:
+    check_token(tenant, "tenant")
+    return Permissions(
+        publish=(
+            Subjects.request(tenant),
+            Subjects.cancel(tenant),
+            f"$JS.API.DIRECT.GET.{Subjects.RESULTS_STREAM}.ss.result.{tenant}.>",
+        ),
+        subscribe=(
+            f"ss.stream.{tenant}.>",
+            f"ss.result.{tenant}.>",
+            # Both layouts: ``ss.evt.finished.T`` and the per-request ``ss.evt.finished.T.{request}``.
+            f"ss.evt.finished.{tenant}",
+            f"ss.evt.finished.{tenant}.>",
+            f"{tenant_inbox(tenant)}.>",
+        ),
+    )
+
+
+def _quote(value: str, what: str) -> str:
+    """A double-quoted nats-server config string. JSON escaping is what its lexer understands; control
+    characters are refused rather than trusted to the parser, and a leading ``$2`` would make the server read
+    the password as a bcrypt hash."""
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ValueError(f"{what} contains control characters")
+    if what.endswith("password") and value.startswith("$2"):
+        raise ValueError(f"{what} must not start with '$2' (nats-server would read it as a bcrypt hash)")
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _perms(p: Permissions) -> str:
+    pub = ", ".join(_quote(s, "subject") for s in p.publish)
+    sub = ", ".join(_quote(s, "subject") for s in p.subscribe)
+    return f"permissions: {{ publish: {{ allow: [{pub}] }}, subscribe: {{ allow: [{sub}] }} }}"
+
+
+def nats_auth_config(tenants: TenantsConfig, service_secrets: Mapping[str, str],
+                     tenant_passwords: Mapping[str, str] | None = None) -> str:
+    """The ``authorization { users = [...] }`` block of nats-server's config.
+
+    ``service_secrets``: role -> password for every role in :data:`SERVICE_ROLES`. ``tenant_passwords``:
+    passwords for the tenants whose spec sets neither ``password`` nor ``nkey`` (generated by the caller).
+    """
+    tenant_passwords = tenant_passwords or {}
+    if tenants.open:
+        raise ValueError("open mode has no tenant users: start without a tenants file instead")
+    lines = ["authorization {", "  users = ["]
+    for role in SERVICE_ROLES:
+        pw = service_secrets.get(role)
+        if not pw:
+            raise ValueError(f"no secret for service role {role!r}")
+        lines.append(f"    {{ user: {_quote(service_user(role), 'user')}, password: "
+                     f"{_quote(pw, f'{role} password')}, {_perms(ALL)} }}")
+    for name, spec in sorted(tenants.tenants.items()):
+        perms = _perms(tenant_permissions(name))
+        if spec.nkey:
+            # An nkey user is known by its public key alone; its name is the tenant the client says it is,
+            # and the permissions stop it from using any other tenant's subjects.
+            lines.append(f"    {{ nkey: {_quote(spec.nkey, 'nkey')}, {perms} }}")
+            continue
+        pw = spec.password or tenant_passwords.get(name)
+        if not pw:
+            raise ValueError(f"tenant {name!r} has no password or nkey (and none was generated)")
+        lines.append(f"    {{ user: {_quote(name, 'user')}, password: {_quote(pw, f'tenant {name} password')}, "
+                     f"{perms} }}")
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- secret files
+
+
+@dataclass
+class StackAuth:
+    """What ``splitserve up --tenants`` needs: the server's auth block and every service's credentials."""
+
+    config: str
+    service_secrets: dict[str, str]
+    generated_tenants: dict[str, str] = field(default_factory=dict)  # tenant -> generated password
+    auth_dir: Path | None = None
+
+    def credentials(self, role: str) -> tuple[str, str]:
+        return service_user(role), self.service_secrets[role]
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file readable by its owner only: created 0600 (never briefly world-readable), in a 0700
+    directory, replaced atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    tmp.replace(path)
+
+
+def _write_secret_json(path: Path, data: Mapping[str, str]) -> None:
+    write_private(path, json.dumps(dict(data), indent=2))
+
+
+def _read_secret_json(path: Path) -> dict[str, str]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def _new_secret() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def prepare_stack_auth(state_dir: Path, tenants: TenantsConfig) -> StackAuth:
+    """Load (or create) the service secrets and the generated tenant passwords under ``state_dir/auth`` and
+    build the server's auth block. Secrets are reused across restarts so running clients keep working."""
+    auth_dir = state_dir / AUTH_DIR
+    svc_path, ten_path = auth_dir / SERVICES_FILE, auth_dir / TENANTS_FILE
+    svc = _read_secret_json(svc_path)
+    if any(not svc.get(r) for r in SERVICE_ROLES):
+        svc = {r: svc.get(r) or _new_secret() for r in SERVICE_ROLES}
+        _write_secret_json(svc_path, svc)
+    old = _read_secret_json(ten_path)
+    generated = {name: old.get(name) or _new_secret() for name, spec in tenants.tenants.items()
+                 if not spec.password and not spec.nkey}
+    if generated != old:
+        if generated:
+            _write_secret_json(ten_path, generated)
+        else:
+            ten_path.unlink(missing_ok=True)
+    return StackAuth(config=nats_auth_config(tenants, svc, generated), service_secrets=svc,
+                     generated_tenants=generated, auth_dir=auth_dir)
+
+
+def read_admin_credentials(state_dir: Path) -> tuple[str, str] | None:
+    """The operator's credentials of the stack whose state directory this is (None if it runs without auth
+    or the file is not readable by this user)."""
+    pw = _read_secret_json(state_dir / AUTH_DIR / SERVICES_FILE).get(ADMIN_ROLE)
+    return (service_user(ADMIN_ROLE), pw) if pw else None
