@@ -98,11 +98,11 @@ class QuotaBook:
                 return Refusal("quota_exceeded", "tokens_per_minute",
                                f"the request may use {need:,} tokens (prompt {prompt_tokens:,} + max_tokens "
                                f"{max_tokens:,}), more than tenant {tenant!r}'s {lim.tokens_per_minute:,} "
-                               "tokens per minute; lower max_tokens or the prompt")
+                               "tokens per minute (tokens_per_minute); lower max_tokens or the prompt")
             if u.window_total + need > lim.tokens_per_minute:
                 return Refusal("quota_exceeded", "tokens_per_minute",
                                f"tenant {tenant!r} used {u.window_total:,} of its {lim.tokens_per_minute:,} "
-                               f"tokens per minute; this request may use {need:,} more",
+                               f"tokens per minute (tokens_per_minute); this request may use {need:,} more",
                                retry_after_s=self._retry_tpm(u, lim, need, now))
         return None
 

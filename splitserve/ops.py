@@ -1,0 +1,104 @@
+"""Operator views behind ``splitserve queues`` and ``splitserve usage``: what the router's queues hold, and
+what each tenant used.
+
+``queue_report`` asks a router (``ss.admin.queues``) for per-tenant depth, oldest wait and rates.
+``usage_summary`` reads the ``SS_USAGE`` stream (every request's ``RequestFinished``, kept a week) from a
+start time and sums prompt / completion / cached tokens per tenant, counting each request once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+import proto
+from proto import QueueReport, QueueReportRequest, RequestFinished, Subjects
+
+
+async def queue_report(nc: NATS, timeout: float = 5.0) -> QueueReport:
+    resp = await nc.request(Subjects.ADMIN_QUEUES, proto.encode(QueueReportRequest()), timeout=timeout)
+    return proto.decode(resp.data, QueueReport)
+
+
+@dataclass
+class TenantUsage:
+    tenant: str
+    requests: int = 0
+    ok: int = 0
+    errors: int = 0
+    cancelled: int = 0
+    expired: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    by_error: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def sum_usage(events: list[RequestFinished]) -> dict[str, TenantUsage]:
+    """Per tenant totals. A request can end with more than one event (a cancel seen by the router and by a
+    worker): the one with usage, else the last, counts."""
+    last: dict[tuple[str, str], RequestFinished] = {}
+    for ev in events:
+        key = (ev.tenant, ev.request_id)
+        prev = last.get(key)
+        if prev is None or ev.usage is not None or prev.usage is None:
+            last[key] = ev
+    out: dict[str, TenantUsage] = {}
+    for (tenant, _), ev in last.items():
+        u = out.setdefault(tenant, TenantUsage(tenant))
+        u.requests += 1
+        if ev.status == "ok":
+            u.ok += 1
+        elif ev.status == "cancelled":
+            u.cancelled += 1
+        elif ev.status == "expired":
+            u.expired += 1
+        else:
+            u.errors += 1
+            code = str(ev.error_code or "unknown")
+            u.by_error[code] = u.by_error.get(code, 0) + 1
+        if ev.usage is not None:
+            u.prompt_tokens += ev.usage.prompt_tokens
+            u.completion_tokens += ev.usage.completion_tokens
+            u.cached_tokens += ev.usage.cached_tokens
+    return out
+
+
+async def read_usage(nc: NATS, *, since_s: float | None = None, tenant: str | None = None,
+                     idle_timeout: float = 2.0) -> list[RequestFinished]:
+    """Every RequestFinished kept in SS_USAGE (optionally only the last ``since_s`` seconds, one tenant)."""
+    js = nc.jetstream()
+    info = await js.stream_info(Subjects.USAGE_STREAM)
+    last_seq = int(info.state.last_seq or 0)
+    if not info.state.messages:
+        return []
+    subject = f"ss.evt.finished.{proto.subjects.check_token(tenant, 'tenant')}.>" if tenant else Subjects.FINISHED_ALL
+    if since_s is not None:
+        start = (dt.datetime.now(dt.UTC) - dt.timedelta(seconds=since_s)).isoformat().replace("+00:00", "Z")
+        cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start)
+    else:
+        cfg = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+    sub = await js.subscribe(subject, stream=Subjects.USAGE_STREAM, ordered_consumer=True, config=cfg)
+    events: list[RequestFinished] = []
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=idle_timeout)
+            except TimeoutError:
+                break  # nothing (more) in the range asked for
+            with contextlib.suppress(proto.ProtocolError):
+                events.append(proto.decode(msg.data, RequestFinished))
+            if msg.metadata.sequence.stream >= last_seq or msg.metadata.num_pending == 0:
+                break
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    return events
