@@ -312,6 +312,134 @@ def _top_table(snap: dict, url: str):  # type: ignore[no-untyped-def, type-arg]
     return Group(w, t)
 
 
+async def _operator_nc(nats_url: str | None) -> Any:
+    import nats as nats_client
+
+    url = discovery.resolve_nats_url(nats_url)
+    try:
+        user, password = _operator_creds(url)
+        return await nats_client.connect(url, connect_timeout=3, max_reconnect_attempts=0, user=user,
+                                         password=password)
+    except Exception as exc:
+        raise errors.Unavailable(f"cannot connect to NATS at {url}: {exc}") from None
+
+
+def _run_operator(coro: Any) -> None:
+    try:
+        asyncio.run(coro)
+    except KeyboardInterrupt:
+        pass
+    except errors.SplitserveError as exc:
+        typer.echo(f"error {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def queues(
+    nats_url: str | None = NatsUrlOpt,
+    watch: float = typer.Option(0.0, "--watch", help="refresh every N seconds (0: print once)"),
+    as_json: bool = typer.Option(False, "--json", help="print the router's report as JSON"),
+) -> None:
+    """Per-tenant queues: waiting requests (by priority class), running, oldest wait, rates, fair-share tokens."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from splitserve.ops import queue_report
+
+    async def go() -> None:
+        nc = await _operator_nc(nats_url)
+        try:
+            async def one() -> Any:
+                try:
+                    return await queue_report(nc)
+                except Exception as exc:
+                    raise errors.Unavailable(f"no router answered the queue report: {exc}") from None
+
+            rep = await one()
+            if as_json:
+                print(rep.model_dump_json(indent=2))
+                return
+            if watch <= 0:
+                Console().print(_queues_table(rep))
+                return
+            with Live(_queues_table(rep), refresh_per_second=4, screen=False) as live:
+                while True:
+                    await asyncio.sleep(watch)
+                    live.update(_queues_table(await one()))
+        finally:
+            await nc.close()
+
+    _run_operator(go())
+
+
+def _queues_table(rep: Any) -> Any:
+    from rich.table import Table
+
+    t = Table(title=f"queues @ {rep.router_id}  (free decode slots {rep.capacity}, running {rep.running}; "
+                    "rates over 10 s)")
+    for col in ("tenant", "weight", "queued", "by class", "running", "in flight", "oldest wait s", "accepted/s",
+                "dispatched/s", "refused/s", "served tokens", "tokens last min"):
+        t.add_column(col, justify="left" if col in ("tenant", "by class") else "right")
+    for r in rep.tenants:
+        by = " ".join(f"{k}:{v}" for k, v in r.queued_by_class.items() if v) or "-"
+        wait = "-" if r.oldest_wait_ms is None else f"{r.oldest_wait_ms / 1000:.1f}"
+        t.add_row(r.tenant, f"{r.weight:g}", str(r.queued), by, str(r.running), str(r.inflight), wait,
+                  f"{r.accepted_per_s:.1f}", f"{r.dispatched_per_s:.1f}", f"{r.refused_per_s:.1f}",
+                  f"{r.served_tokens:,}", f"{r.tokens_last_minute:,}")
+    return t
+
+
+@app.command()
+def usage(
+    nats_url: str | None = NatsUrlOpt,
+    since: str = typer.Option("24h", "--since", help="how far back: e.g. 15m, 24h, 7d, or 'all'"),
+    tenant: str | None = typer.Option(None, "--tenant", help="only this tenant"),
+    as_json: bool = typer.Option(False, "--json", help="print per-tenant totals as JSON"),
+) -> None:
+    """Usage metering: per tenant, requests and prompt / completion / cached tokens, summed from every
+    request's RequestFinished event (kept a week in the SS_USAGE stream)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from splitserve.ops import read_usage, sum_usage
+
+    since_s = _duration_s(since)
+
+    async def go() -> None:
+        nc = await _operator_nc(nats_url)
+        try:
+            try:
+                events = await read_usage(nc, since_s=since_s, tenant=tenant)
+            except Exception as exc:
+                raise errors.Unavailable(f"cannot read the usage stream: {exc}") from None
+        finally:
+            await nc.close()
+        totals = sum_usage(events)
+        if as_json:
+            print(json.dumps({t: u.to_dict() for t, u in sorted(totals.items())}, indent=2))
+            return
+        t = Table(title=f"usage, {'all kept' if since_s is None else 'last ' + since}")
+        for col in ("tenant", "requests", "ok", "errors", "cancelled", "expired", "prompt tokens",
+                    "completion tokens", "cached tokens"):
+            t.add_column(col, justify="left" if col == "tenant" else "right")
+        for name, u in sorted(totals.items()):
+            t.add_row(name, str(u.requests), str(u.ok), str(u.errors), str(u.cancelled), str(u.expired),
+                      f"{u.prompt_tokens:,}", f"{u.completion_tokens:,}", f"{u.cached_tokens:,}")
+        Console().print(t)
+
+    _run_operator(go())
+
+
+def _duration_s(text: str) -> float | None:
+    if text.strip().lower() == "all":
+        return None
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        return float(text[:-1]) * units[text[-1].lower()] if text[-1].lower() in units else float(text)
+    except (ValueError, IndexError):
+        raise typer.BadParameter(f"--since {text!r}: use e.g. 90s, 15m, 24h, 7d or all") from None
+
+
 _PASS = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 

@@ -82,7 +82,7 @@ async def read_usage(nc: NATS, *, since_s: float | None = None, tenant: str | No
         return []
     subject = f"ss.evt.finished.{proto.subjects.check_token(tenant, 'tenant')}.>" if tenant else Subjects.FINISHED_ALL
     if since_s is not None:
-        start = (dt.datetime.now(dt.UTC) - dt.timedelta(seconds=since_s)).isoformat().replace("+00:00", "Z")
+        start = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=since_s)
         cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start)
     else:
         cfg = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)

@@ -259,3 +259,41 @@ async def test_router_killed_mid_load_loses_no_accepted_request(nats_server: Nat
         for name in ("router-k1", "router-k2"):
             log = logs / f"{name}.log"
             print(f"--- {name}\n{log.read_text(errors='replace')[-2500:] if log.exists() else ''}")
+
+
+def test_queues_and_usage_commands(stack: tuple[str, Path, Path]) -> None:
+    import json
+    import subprocess
+    import sys
+
+    url, _, _ = stack
+    exe = str(Path(sys.executable).parent / "splitserve")
+
+    async def traffic() -> list[Result]:
+        async with Client(url, tenant="light") as c:
+            return list(await asyncio.gather(*(c.complete(f"metered {i}", max_tokens=5) for i in range(3))))
+
+    done = asyncio.run(traffic())
+    out = subprocess.run([exe, "queues", "--nats-url", url, "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    rows = {r["tenant"]: r for r in rep["tenants"]}
+    assert rows["light"]["served_tokens"] > 0 and rows["heavy"]["weight"] == 3
+    assert {"queued", "oldest_wait_ms", "accepted_per_s", "queued_by_class"} <= set(rows["light"])
+    import os
+
+    table = subprocess.run([exe, "queues", "--nats-url", url], capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, COLUMNS="200"))
+    assert table.returncode == 0 and "light" in table.stdout
+
+    out = subprocess.run([exe, "usage", "--nats-url", url, "--since", "1h", "--tenant", "light", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    light = json.loads(out.stdout)["light"]
+    assert light["ok"] >= 3
+    # the three just sent are in the sums, token for token
+    assert light["completion_tokens"] >= sum(len(r.token_ids) for r in done)
+    assert light["prompt_tokens"] >= sum(r.usage.prompt_tokens for r in done)
+    bad = subprocess.run([exe, "usage", "--nats-url", url, "--since", "soon"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode != 0 and "--since" in bad.stderr
