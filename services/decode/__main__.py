@@ -28,11 +28,31 @@ def main(
     l1_tokens: int = typer.Option(0, help="CPU L1 prefix-cache tier capacity in tokens (0 = off)"),
     prefill_chunk: int = typer.Option(256, help="local prefill chunk (tokens) while other streams are active"),
     log_level: str = cli.LogLevel,
+    kv_connector: str = cli.KvConnector,
+    kv_backend: str = cli.KvBackend,
+    vllm_max_model_len: int = cli.VllmMaxModelLen,
+    vllm_block_size: int | None = cli.VllmBlockSize,
+    vllm_kv_cache_gib: int = cli.VllmKvCacheGib,
+    vllm_gpu_memory: float = cli.VllmGpuMemory,
+    vllm_tp: int = cli.VllmTp,
+    vllm_kv_events: bool = cli.VllmKvEvents,
+    lmcache_config: str | None = cli.LmcacheConfig,
 ) -> None:
     from services.decode.service import DecodeService
 
     opts = EngineOptions(engine=engine, model=model, dtype=dtype, threads=threads, block_size=block_size,
                          transport=transport, cpus=parse_cpus(cpus))
+    if engine == "vllm":
+        from services.common.vllm_worker import VllmOptions
+        from services.decode.vllm_service import VllmDecodeService
+
+        vopts = VllmOptions(kv_connector=kv_connector, kv_backend=kv_backend, kv_events=vllm_kv_events,
+                            max_model_len=vllm_max_model_len, engine_block_size=vllm_block_size,
+                            kv_cache_gib=vllm_kv_cache_gib, gpu_memory_utilization=vllm_gpu_memory,
+                            tensor_parallel_size=vllm_tp, lmcache_config=lmcache_config)
+        run_service(VllmDecodeService(worker_id, nats_url, opts=opts, vllm=vopts, max_batch=max_batch,
+                                      log_level=log_level))
+        return
     run_service(DecodeService(worker_id, nats_url, opts=opts, landing_tokens=landing_tokens,
                               max_batch=max_batch, cache_tokens=cache_tokens, l1_tokens=l1_tokens,
                               prefill_chunk=prefill_chunk, log_level=log_level))

@@ -26,11 +26,30 @@ def main(
     l1_tokens: int = typer.Option(0, help="CPU L1 prefix-cache tier capacity in tokens (0 = off)"),
     layerwise: bool = typer.Option(True, help="push each layer's KV as soon as it is computed"),
     log_level: str = cli.LogLevel,
+    kv_connector: str = cli.KvConnector,
+    kv_backend: str = cli.KvBackend,
+    vllm_max_model_len: int = cli.VllmMaxModelLen,
+    vllm_block_size: int | None = cli.VllmBlockSize,
+    vllm_kv_cache_gib: int = cli.VllmKvCacheGib,
+    vllm_gpu_memory: float = cli.VllmGpuMemory,
+    vllm_tp: int = cli.VllmTp,
+    vllm_kv_events: bool = cli.VllmKvEvents,
+    lmcache_config: str | None = cli.LmcacheConfig,
 ) -> None:
     from services.prefill.service import PrefillService
 
     opts = EngineOptions(engine=engine, model=model, dtype=dtype, threads=threads, block_size=block_size,
                          transport=transport, cpus=parse_cpus(cpus))
+    if engine == "vllm":
+        from services.common.vllm_worker import VllmOptions
+        from services.prefill.vllm_service import VllmPrefillService
+
+        vopts = VllmOptions(kv_connector=kv_connector, kv_backend=kv_backend, kv_events=vllm_kv_events,
+                            max_model_len=vllm_max_model_len, engine_block_size=vllm_block_size,
+                            kv_cache_gib=vllm_kv_cache_gib, gpu_memory_utilization=vllm_gpu_memory,
+                            tensor_parallel_size=vllm_tp, lmcache_config=lmcache_config)
+        run_service(VllmPrefillService(worker_id, nats_url, opts=opts, vllm=vopts, log_level=log_level))
+        return
     run_service(PrefillService(worker_id, nats_url, opts=opts, cache_tokens=cache_tokens, l1_tokens=l1_tokens,
                                layerwise=layerwise, log_level=log_level))
 

@@ -1,0 +1,61 @@
+"""What a prefill or decode worker needs to run the ``vllm`` engine: its options, the vLLM config built from
+them (with this worker's own ports), and the heartbeat load taken from vLLM's scheduler stats."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from proto import WorkerLoad
+from services.common.options import EngineOptions
+from splitserve.cache.hashing import DEFAULT_BLOCK_SIZE
+from splitserve.natsserver import free_port
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    kv_connector: str = "nixl"  # nixl | lmcache | none
+    kv_backend: str = "UCX"  # NIXL backend: UCX | LIBFABRIC
+    kv_events: bool = True  # bridge vLLM's KV events onto ss.kv.{worker}
+    max_model_len: int | None = 4096
+    engine_block_size: int | None = None  # None: 32 on CPU, 16 on GPU
+    kv_cache_gib: int = 1  # CPU: VLLM_CPU_KVCACHE_SPACE
+    gpu_memory_utilization: float = 0.85
+    tensor_parallel_size: int = 1
+    lmcache_config: str | None = None  # LMCache PD config file (deploy/ generates one per pool)
+    route_block_size: int = DEFAULT_BLOCK_SIZE  # the router's hashing block size
+
+
+def vllm_config(opts: EngineOptions, v: VllmOptions, *, role: str, max_num_seqs: int) -> Any:
+    """The VllmConfig of one worker. Ports (NIXL side channel, KV events) are free ports of this host."""
+    from splitserve.engines.vllm_engine import VllmConfig
+
+    connector = None if v.kv_connector in ("", "none") else v.kv_connector
+    events = replay = None
+    if v.kv_events:
+        events = f"tcp://127.0.0.1:{free_port()}"
+        replay = f"tcp://127.0.0.1:{free_port()}"
+    return VllmConfig(
+        model=opts.model, dtype=opts.dtype, tensor_parallel_size=v.tensor_parallel_size,
+        gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len,
+        block_size=v.engine_block_size, max_num_seqs=max_num_seqs, kv_cache_gib=v.kv_cache_gib, cpus=opts.cpus,
+        kv_connector=connector,
+        kv_role="kv_both" if connector == "nixl" else ("kv_producer" if role == "prefill" else "kv_consumer"),
+        kv_backends=(v.kv_backend.upper(),),
+        nixl_side_channel_port=free_port() if connector == "nixl" else None,
+        lmcache_config_file=v.lmcache_config or os.environ.get("LMCACHE_CONFIG_FILE"),
+        kv_events_endpoint=events, kv_events_replay_endpoint=replay,
+    )
+
+
+def vllm_load(engine: Any, *, active: int, queued: int, route_block_size: int,
+              cached_blocks: int) -> WorkerLoad:
+    """Heartbeat load from vLLM's own numbers, in the router's block units."""
+    el = engine.load()
+    per = max(1, el.block_size // route_block_size) if el.block_size else 1
+    total = el.num_blocks * per
+    used = int(round(el.kv_usage * total))
+    return WorkerLoad(active_seqs=max(active, el.running), queued_requests=max(queued, el.waiting),
+                      free_blocks=max(0, total - used), total_blocks=total, used_blocks=used,
+                      cached_blocks=cached_blocks * per)

