@@ -1,4 +1,5 @@
-"""Run ``splitserve up`` as a real subprocess (the same command a user runs) and wait until it is up.
+"""Run ``splitserve up`` as a real subprocess (the same command a user runs) and wait until it is up; or run
+single services (``python -m services.<name>``) and wait for their ready heartbeats.
 
 Used by the end-to-end tests and the benchmarks, which must measure the product as users start it."""
 
@@ -12,8 +13,48 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import proto
+
+
+def spawn_service(module: str, *args: str, nats_url: str, worker_id: str, log_dir: Path,
+                  env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """One service process (``module`` e.g. "services.router"), its output appended to log_dir/<id>.log."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out = open(log_dir / f"{worker_id}.log", "ab")  # noqa: SIM115 - handed to the child
+    env = dict(env if env is not None else os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    return subprocess.Popen([sys.executable, "-m", module, "--nats-url", nats_url, "--worker-id", worker_id, *args],
+                            stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+async def wait_ready(nats_url: str, worker_ids: Iterable[str], timeout: float = 240.0) -> dict[str, proto.Heartbeat]:
+    """Wait until every named worker has sent a "ready" heartbeat; returns the last heartbeat of each."""
+    import asyncio
+
+    import nats
+
+    want = set(worker_ids)
+    seen: dict[str, proto.Heartbeat] = {}
+    nc = await nats.connect(nats_url)
+    done = asyncio.Event()
+
+    async def cb(msg: object) -> None:
+        hb = proto.decode(msg.data, proto.Heartbeat)  # type: ignore[attr-defined]
+        if hb.worker_id in want and hb.state == "ready":
+            seen[hb.worker_id] = hb
+            if set(seen) == want:
+                done.set()
+
+    sub = await nc.subscribe(proto.Subjects.HEARTBEAT_ALL, cb=cb)
+    try:
+        await asyncio.wait_for(done.wait(), timeout)
+    finally:
+        await sub.unsubscribe()
+        await nc.close()
+    return seen
 
 
 @dataclass

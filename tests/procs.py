@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Iterable
-from pathlib import Path
 
 import nats
 
@@ -17,36 +13,9 @@ import proto
 from proto import Heartbeat, Subjects
 from splitserve import errors
 from splitserve.client import Client
+from splitserve.stackproc import spawn_service, wait_ready
 
-
-def spawn_service(module: str, *args: str, nats_url: str, worker_id: str, log_dir: Path) -> subprocess.Popen[bytes]:
-    log_dir.mkdir(parents=True, exist_ok=True)
-    out = open(log_dir / f"{worker_id}.log", "ab")  # noqa: SIM115 - handed to the child
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
-    return subprocess.Popen([sys.executable, "-m", module, "--nats-url", nats_url, "--worker-id", worker_id, *args],
-                            stdout=out, stderr=subprocess.STDOUT, env=env)
-
-
-async def wait_ready(nats_url: str, worker_ids: Iterable[str], timeout: float = 240.0) -> dict[str, Heartbeat]:
-    want = set(worker_ids)
-    seen: dict[str, Heartbeat] = {}
-    nc = await nats.connect(nats_url)
-    done = asyncio.Event()
-
-    async def cb(msg: object) -> None:
-        hb = proto.decode(msg.data, Heartbeat)  # type: ignore[attr-defined]
-        if hb.worker_id in want and hb.state == "ready":
-            seen[hb.worker_id] = hb
-            if set(seen) == want:
-                done.set()
-
-    sub = await nc.subscribe(Subjects.HEARTBEAT_ALL, cb=cb)
-    try:
-        await asyncio.wait_for(done.wait(), timeout)
-    finally:
-        await sub.unsubscribe()
-        await nc.close()
-    return seen
+__all__ = ["spawn_service", "wait_ready"]
 
 
 def stop(*procs: subprocess.Popen[bytes], timeout: float = 15.0) -> None:

@@ -1,0 +1,152 @@
+"""Throughput of the durable request queue, and what it adds to latency, measured in one run.
+
+Starts a nats-server (JetStream), decode workers running the ``mock`` engine (the control plane is what is
+measured here: the mock says so, sleeps a fixed time per batched step, and moves no real model), then runs
+the same workload through two routers in turn:
+
+* ``direct``: ``--no-queue``, the router dispatches each request the moment it accepts it (the baseline: no
+  durability, no fair share);
+* ``queue``: the default, every accepted request is stored in its tenant's JetStream work queue
+  (``Nats-Msg-Id`` dedupe) and pulled by the fair scheduler as decode slots free up; acked at finish.
+
+For each it prints: accept latency (client send -> Accepted) and TTFT at low load (one request at a time),
+and throughput (requests/s from the first send to the last final, ``--concurrency`` requests outstanding,
+over ``--tenants`` tenants). The difference between the two rows is the cost of the durable queue.
+
+    python -m bench.queue [--requests 2000] [--concurrency 256] [--seq 100] [--decoders 2] [--max-batch 32]
+                         [--step-ms 1] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.stats import fmt, summary
+from splitserve.client import Client
+from splitserve.natsserver import start_nats
+from splitserve.stackproc import spawn_service, wait_ready
+
+
+def _spawn(module: str, *args: str, url: str, wid: str, logs: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return spawn_service(module, *args, nats_url=url, worker_id=wid, log_dir=logs, env=env)
+
+
+async def _wait_ready(url: str, wids: list[str], timeout: float = 240.0) -> None:
+    await wait_ready(url, wids, timeout=timeout)
+
+
+async def _low_load(url: str, n: int) -> dict[str, Any]:
+    accept, ttft = [], []
+    async with Client(url, tenant="lat") as c:
+        for i in range(n + 5):
+            t0 = time.perf_counter()
+            g = c.generate(f"latency probe {i}", max_tokens=2)
+            first = None
+            async for _ in g:
+                if first is None:
+                    first = time.perf_counter()
+            if i < 5:
+                continue  # warm-up
+            assert g.result is not None and first is not None
+            ttft.append((first - t0) * 1000)
+            # created -> dispatched to a worker: the router's share of the wait (intake, queue, pull)
+            accept.append(g.result.timings.queue_ms or 0.0)
+    return {"ttft": summary(ttft), "queue_ms": summary(accept)}
+
+
+async def _throughput(url: str, n: int, concurrency: int, tenants: int) -> dict[str, Any]:
+    sem = asyncio.Semaphore(concurrency)
+    clients = [Client(url, tenant=f"tp{i}") for i in range(tenants)]
+    for c in clients:
+        await c.connect()
+    errors = 0
+
+    async def one(i: int) -> None:
+        nonlocal errors
+        async with sem:
+            try:
+                await clients[i % tenants].complete(f"throughput {i}", max_tokens=2)
+            except Exception:
+                errors += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(n)))
+    took = time.perf_counter() - t0
+    for c in clients:
+        await c.close()
+    return {"requests": n, "seconds": took, "requests_per_s": (n - errors) / took, "errors": errors}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--tenants", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=100, help="sequential requests for the low-load latency")
+    ap.add_argument("--decoders", type=int, default=2)
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--step-ms", type=float, default=1.0, help="the mock engine's time per batched step")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="ss-queue-bench-"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", SPLITSERVE_MOCK_STEP_MS=str(a.step_ms),
+               SPLITSERVE_HOME=str(work / "home"))
+    nats = start_nats(work / "nats")
+    url = nats.url
+    decoders = [_spawn("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch",
+                       str(a.max_batch), url=url, wid=f"decode-b{i}", logs=work / "logs", env=env)
+                for i in range(a.decoders)]
+    results: dict[str, Any] = {"config": vars(a), "machine": f"{os.cpu_count()} cpus"}
+    try:
+        asyncio.run(_wait_ready(url, [f"decode-b{i}" for i in range(a.decoders)]))
+        for mode in ("direct", "queue"):
+            flags = ["--no-queue"] if mode == "direct" else []
+            router = _spawn("services.router", "--disagg-threshold", "1000000000", "--strategy", "roundrobin",
+                            *flags, url=url, wid=f"router-{mode}", logs=work / "logs", env=env)
+            try:
+                asyncio.run(_wait_ready(url, [f"router-{mode}"]))
+                time.sleep(2.0)  # the router's dispatch warm-up (it hears every worker first)
+                lat = asyncio.run(_low_load(url, a.seq))
+                tp = asyncio.run(_throughput(url, a.requests, a.concurrency, a.tenants))
+                results[mode] = {"low_load": lat, "throughput": tp}
+            finally:
+                router.terminate()
+                router.wait(timeout=30)
+    finally:
+        for p in decoders:
+            p.terminate()
+        for p in decoders:
+            p.wait(timeout=30)
+        nats.stop()
+
+    d, q = results["direct"], results["queue"]
+    added_ttft = (q["low_load"]["ttft"]["p50"] or 0) - (d["low_load"]["ttft"]["p50"] or 0)
+    results["queue_added_ttft_p50_ms"] = added_ttft
+    results["throughput_ratio"] = q["throughput"]["requests_per_s"] / d["throughput"]["requests_per_s"]
+    if a.json:
+        print(json.dumps(results, indent=2))
+        return
+    print(f"durable queue vs direct dispatch; mock engine ({a.step_ms} ms/step), {a.decoders} decoders x "
+          f"{a.max_batch} slots, {os.cpu_count()} cpus; logs in {work / 'logs'}")
+    print(f"{'mode':8} {'TTFT p50':>12} {'TTFT p99':>12} {'router queue p50':>17} {'throughput':>14} {'errors':>7}")
+    for mode in ("direct", "queue"):
+        r = results[mode]
+        lt, tp = r["low_load"], r["throughput"]
+        print(f"{mode:8} {fmt(lt['ttft']['p50']):>12} {fmt(lt['ttft']['p99']):>12} "
+              f"{fmt(lt['queue_ms']['p50']):>17} {tp['requests_per_s']:>9.0f} req/s {tp['errors']:>7}")
+    print(f"durable queue adds {added_ttft:+.1f} ms TTFT p50 at low load; throughput "
+          f"{results['throughput_ratio']:.2f}x of direct ({a.requests} requests, {a.concurrency} outstanding, "
+          f"{a.tenants} tenants)")
+
+
+if __name__ == "__main__":
+    main()
