@@ -40,6 +40,9 @@ class VllmKvBridge:
                              f"{route_block_size}")
         self.bus = bus
         self.worker_id = worker_id
+        # vLLM binds its PUB socket for wildcard / ipc endpoints and connects it otherwise: the bridge does
+        # the opposite. The replay socket is always bound by vLLM.
+        self.bind = not ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")))
         self.endpoint = endpoint.replace("*", "127.0.0.1")
         self.replay_endpoint = replay_endpoint.replace("*", "127.0.0.1") if replay_endpoint else None
         self.engine_block_size = engine_block_size
@@ -65,7 +68,10 @@ class VllmKvBridge:
         self._ctx = zmq.asyncio.Context()
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(self.endpoint)
+        if self.bind:
+            sub.bind(self.endpoint)  # vLLM's PUB connects to a concrete tcp address, binds only wildcards/ipc
+        else:
+            sub.connect(self.endpoint)
         await self.bus.subscribe(Subjects.kv_held(self.worker_id), KvHeldRequest, self.on_held)
         await self._publish([{"type": "cleared", "medium": None}])
         self._task = asyncio.create_task(self._run(sub))
