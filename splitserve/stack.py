@@ -52,6 +52,8 @@ class StackConfig:
     max_stall_ms: float = 250.0
     http_port: int = 8000  # the OpenAI-compatible front door; 0 (or taken) = a free port
     log_level: str = "INFO"
+    kv_connector: str = "nixl"  # --engine vllm: vLLM's KV connector between the pools (nixl | lmcache)
+    kv_backend: str = "UCX"  # --engine vllm: NIXL backend (UCX | LIBFABRIC)
     # Tenants file (splitserve.tenancy.config): NATS users and permissions per tenant and per service.
     tenants_file: Path | None = None
 
@@ -88,6 +90,8 @@ class Stack:
         eng = ["--engine", c.engine, "--dtype", c.dtype, "--transport", c.transport]
         if c.model:
             eng += ["--model", c.model]
+        if c.engine == "vllm":
+            eng += ["--kv-connector", c.kv_connector, "--kv-backend", c.kv_backend]
         tenants = ["--tenants", str(c.tenants_file)] if c.tenants_file else []
         out_eng = {"prefill": list(eng), "decode": list(eng)}
         pools = self._cpu_pools()

@@ -14,13 +14,22 @@ Transport = typer.Option("nixl", help="KV transport: nixl | tcp")
 LogLevel = typer.Option("INFO")
 Cpus = typer.Option(None, help="pin to these cores, e.g. '0' or '0-3,6' (torch threads follow)")
 
-# vllm engine only (ignored by hf and mock)
-KvConnector = typer.Option("nixl", help="vllm: KV connector between pools: nixl | lmcache | none")
-KvBackend = typer.Option("UCX", help="vllm: NIXL transport backend: UCX | LIBFABRIC (AWS EFA)")
-VllmMaxModelLen = typer.Option(4096, help="vllm: max model length (prompt + output)")
-VllmBlockSize = typer.Option(None, help="vllm: KV block size (default 32 on CPU, 16 on GPU)")
-VllmKvCacheGib = typer.Option(1, help="vllm on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)")
-VllmGpuMemory = typer.Option(0.85, help="vllm on GPU: fraction of GPU memory vLLM may use")
-VllmTp = typer.Option(1, help="vllm: tensor parallel size")
-VllmKvEvents = typer.Option(True, help="vllm: bridge vLLM's KV events into the cache index")
-LmcacheConfig = typer.Option(None, help="vllm + lmcache: the LMCache PD config file of this worker")
+# vllm engine only (ignored by hf and mock); `splitserve up` passes the environment on, so the
+# SPLITSERVE_VLLM_* variables configure every vLLM worker of a stack
+KvConnector = typer.Option("nixl", envvar="SPLITSERVE_KV_CONNECTOR",
+                           help="vllm: KV connector between pools: nixl | lmcache | none")
+KvBackend = typer.Option("UCX", envvar="SPLITSERVE_KV_BACKEND",
+                         help="vllm: NIXL transport backend: UCX | LIBFABRIC (AWS EFA)")
+VllmMaxModelLen = typer.Option(4096, envvar="SPLITSERVE_VLLM_MAX_MODEL_LEN",
+                               help="vllm: max model length (prompt + output)")
+VllmBlockSize = typer.Option(None, envvar="SPLITSERVE_VLLM_BLOCK_SIZE",
+                             help="vllm: KV block size (default 32 on CPU, 16 on GPU)")
+VllmKvCacheGib = typer.Option(1, envvar="SPLITSERVE_VLLM_KV_CACHE_GIB",
+                              help="vllm on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)")
+VllmGpuMemory = typer.Option(0.85, envvar="SPLITSERVE_VLLM_GPU_MEMORY",
+                             help="vllm on GPU: fraction of GPU memory vLLM may use")
+VllmTp = typer.Option(1, envvar="SPLITSERVE_VLLM_TP", help="vllm: tensor parallel size")
+VllmKvEvents = typer.Option(True, envvar="SPLITSERVE_VLLM_KV_EVENTS",
+                            help="vllm: bridge vLLM's KV events into the cache index")
+LmcacheConfig = typer.Option(None, envvar="LMCACHE_CONFIG_FILE",
+                             help="vllm + lmcache: the LMCache PD config file of this worker")

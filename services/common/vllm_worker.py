@@ -27,11 +27,18 @@ class VllmOptions:
     route_block_size: int = DEFAULT_BLOCK_SIZE  # the router's hashing block size
 
 
-def vllm_config(opts: EngineOptions, v: VllmOptions, *, role: str, max_num_seqs: int) -> Any:
+def vllm_config(opts: EngineOptions, v: VllmOptions, *, role: str, max_num_seqs: int, worker_id: str = "") -> Any:
     """The VllmConfig of one worker. Ports (NIXL side channel, KV events) are free ports of this host."""
     from splitserve.engines.vllm_engine import VllmConfig
 
     connector = None if v.kv_connector in ("", "none") else v.kv_connector
+    lmcache_file = v.lmcache_config or os.environ.get("LMCACHE_CONFIG_FILE")
+    if connector == "lmcache" and not lmcache_file:
+        from splitserve import discovery
+        from splitserve.engines.lmcache_pd import worker_config
+
+        lmcache_file = str(worker_config(role, worker_id or role, discovery.home() / "lmcache",
+                                         backends=(v.kv_backend.upper(),)))
     events = replay = None
     if v.kv_events:
         events = f"tcp://127.0.0.1:{free_port()}"
@@ -44,7 +51,7 @@ def vllm_config(opts: EngineOptions, v: VllmOptions, *, role: str, max_num_seqs:
         kv_role="kv_both" if connector == "nixl" else ("kv_producer" if role == "prefill" else "kv_consumer"),
         kv_backends=(v.kv_backend.upper(),),
         nixl_side_channel_port=free_port() if connector == "nixl" else None,
-        lmcache_config_file=v.lmcache_config or os.environ.get("LMCACHE_CONFIG_FILE"),
+        lmcache_config_file=lmcache_file,
         kv_events_endpoint=events, kv_events_replay_endpoint=replay,
     )
 

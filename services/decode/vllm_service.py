@@ -53,7 +53,8 @@ class VllmDecodeService(DecodeService):
     async def setup(self) -> None:
         from splitserve.engines.vllm_engine import VllmEngine
 
-        cfg = vllm_config(self.opts, self.vopts, role="decode", max_num_seqs=self.max_batch)
+        cfg = vllm_config(self.opts, self.vopts, role="decode", max_num_seqs=self.max_batch,
+                          worker_id=self.worker_id)
         self.engine = await VllmEngine.start(cfg)  # type: ignore[assignment]
         if cfg.kv_events_endpoint:
             self.bridge = VllmKvBridge(self.b, self.worker_id, cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint,
@@ -159,8 +160,20 @@ class VllmDecodeService(DecodeService):
             kv_bytes=done.kv.kv_bytes if done is not None else None,
             timings=Timings(queue_ms=job.routed_ms - job.created_ms, dispatch_ms=started_ms - job.created_ms,
                             prefill_ms=done.kv.prefill_ms if done is not None else None))
-        req = GenRequest(rid, list(job.prompt_token_ids), sampling, max_new, tuple(eos), params)
+        ids = list(job.prompt_token_ids)
+        given: int | None = None
+        if params is not None and params.get("connector") == "lmcache" and done is not None:
+            # LMCache PD: the prefiller's token is the first output; vLLM continues from prompt + that token
+            # and finds the pushed KV by its token hash
+            given, params = done.first_token, None
+            ids.append(given)
+        req = GenRequest(rid, ids, sampling, max(1, max_new - (given is not None)), tuple(eos), params)
         first = True
+        if given is not None:
+            self.active[rid] = seq
+            await self._emit(seq, given)
+            if rid not in self.active:  # finished on its first token (EOS, stop string, max_tokens 1)
+                return
         reason: str | None = None
         t0 = time.perf_counter()
         with structlog.contextvars.bound_contextvars(request_id=rid, tenant=job.tenant):

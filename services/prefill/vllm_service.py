@@ -42,11 +42,12 @@ class VllmPrefillService(PrefillService):
         super().__init__(worker_id, nats_url, opts=opts, cache_tokens=0, **kw)
         self.vopts = vllm or VllmOptions()
         self.bridge: VllmKvBridge | None = None
+        self.lmcache_done: Any = None  # LMCache PD: where its senders report a finished push
 
     async def setup(self) -> None:
         from splitserve.engines.vllm_engine import VllmEngine
 
-        cfg = vllm_config(self.opts, self.vopts, role="prefill", max_num_seqs=4)
+        cfg = vllm_config(self.opts, self.vopts, role="prefill", max_num_seqs=4, worker_id=self.worker_id)
         if cfg.kv_connector is None:
             raise ValueError("a vLLM prefill worker needs a KV connector (--kv-connector nixl|lmcache)")
         self.engine = await VllmEngine.start(cfg)  # type: ignore[assignment]
@@ -54,6 +55,10 @@ class VllmPrefillService(PrefillService):
             self.bridge = VllmKvBridge(self.b, self.worker_id, cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint,
                                        engine_block_size=self.engine.block_size,  # type: ignore[attr-defined]
                                        route_block_size=self.vopts.route_block_size)
+        if cfg.kv_connector == "lmcache":
+            from splitserve.engines.lmcache_pd import DoneListener, proxy_port
+
+            self.lmcache_done = DoneListener(proxy_port(self.worker_id))
         self.log.info("vllm_ready", load_s=round(self.engine.load_seconds or 0, 1),  # type: ignore[attr-defined]
                       connector=cfg.kv_connector, kv_events=cfg.kv_events_endpoint)
 
@@ -69,6 +74,8 @@ class VllmPrefillService(PrefillService):
             await self._fail(job.decode, ErrorCode.WORKER_DIED, f"prefill worker {self.worker_id} is shutting down")
         if self.bridge is not None:
             await self.bridge.close()
+        if self.lmcache_done is not None:
+            self.lmcache_done.close()
         if hasattr(self, "engine"):
             with contextlib.suppress(Exception):
                 await self.engine.close()  # type: ignore[attr-defined]
@@ -96,7 +103,7 @@ class VllmPrefillService(PrefillService):
         if self.vopts.kv_connector == "lmcache":
             from splitserve.engines.lmcache_pd import prefill_params
 
-            return prefill_params(job.request_id, job.decoder_id)
+            return prefill_params(job.request_id, job.decoder_id, tp_size=self.vopts.tensor_parallel_size)
         return {"do_remote_decode": True}
 
     async def _run(self, job: DecodeJob) -> None:
@@ -129,6 +136,14 @@ class VllmPrefillService(PrefillService):
             raise JobFailed(ErrorCode.INTERNAL, "vLLM returned no token for the prefill")
         if params is None and self.vopts.kv_connector == "nixl":
             raise JobFailed(ErrorCode.KV_TRANSFER_FAILED, "vLLM returned no kv_transfer_params for the decoder")
+        if self.lmcache_done is not None:
+            # LMCache pushes after the prefill step; every TP rank reports when its part has landed
+            try:
+                await self.lmcache_done.wait(job.request_id, self.vopts.tensor_parallel_size)
+            except TimeoutError:
+                raise JobFailed(ErrorCode.KV_TRANSFER_FAILED,
+                                f"LMCache did not confirm the KV push to {job.decoder_id}") from None
+            params = {"connector": "lmcache", "first_token": first}
         nbytes = (len(ids) - cached) * self.engine.info.kv_bytes_per_token
         done = PrefillDone(
             request_id=job.request_id, first_token=first,
