@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import pytest
 
 from services.common.vllm_kv import VllmKvBridge
 from splitserve.cache.hashing import hash_token_blocks
+from tests.vllm.conftest import needs_vllm
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+pytestmark = needs_vllm
 
 
 def _bridge() -> VllmKvBridge:

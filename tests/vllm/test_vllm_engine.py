@@ -10,8 +10,9 @@ import pytest_asyncio
 
 from splitserve.engines import Sampling
 from splitserve.engines.generate import GenRequest
+from tests.vllm.conftest import needs_vllm
 
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.slow, needs_vllm, pytest.mark.asyncio(loop_scope="module")]
 
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],

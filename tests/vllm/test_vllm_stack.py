@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from splitserve.stackproc import StackProc, start_stack
+from tests.vllm.conftest import needs_vllm
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs_vllm]
 
 SPLITSERVE = str(Path(sys.executable).parent / "splitserve")
 LONG = ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall of "
