@@ -70,6 +70,8 @@ _REFUSAL_CODES = {"unknown_tenant": ErrorCode.UNKNOWN_TENANT, "quota_exceeded": 
                   "prompt_too_long": ErrorCode.PROMPT_TOO_LONG, "bad_request": ErrorCode.BAD_REQUEST}
 MAX_DELIVERIES = 5  # a request that took down this many routers is failed instead of tried again
 DEFAULT_DECODER_SLOTS = 16
+DISPATCH_BATCH = 8  # most queue messages pulled from one tenant per scheduling decision
+REGISTRY_WARMUP_S = 1.5  # three heartbeat intervals
 
 
 class _Rate:
@@ -148,7 +150,7 @@ class RouterService(Service):
         self._deadlines: list[tuple[float, str, str]] = []  # (deadline ms, tenant, request id) accepted here
         self._accepted_meta: dict[str, tuple[str, str, int]] = {}  # rid -> (tenant, stream subject, prompt len)
         self._rates: dict[tuple[str, str], _Rate] = {}
-        self._started = time.monotonic()
+        self._started = time.monotonic()  # reset at start(): setup may take long
 
     async def setup(self) -> None:
         from services.router.tokenize import PromptTokenizer
@@ -172,6 +174,7 @@ class RouterService(Service):
         self.policy = Router(strategy=self.strategy_name, disagg=self.disagg, index=self.index)
 
     async def start(self) -> None:
+        self._started = time.monotonic()
         b = self.b
         await b.subscribe(Subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         await b.subscribe(Subjects.FINISHED_ALL, RequestFinished, self.on_finished)
@@ -186,6 +189,7 @@ class RouterService(Service):
         if self.use_queue:
             b.spawn(self._dispatch_loop())
             b.spawn(self._keepalive())
+            b.spawn(self._redelivery_sweep())
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(active_seqs=len(self.inflight))
@@ -434,9 +438,6 @@ class RouterService(Service):
         return free
 
     async def _dispatch_loop(self) -> None:
-        # Registry warm-up: a redelivered request is checked against the workers' heartbeats before it is
-        # run again, so first hear every live worker at least twice.
-        await asyncio.sleep(1.5)
         last_refresh = 0.0
         while True:
             try:
@@ -456,15 +457,18 @@ class RouterService(Service):
 
     async def _dispatch_some(self) -> bool:
         progressed = False
-        while self.free_slots(time.monotonic()) > 0:
+        while (free := self.free_slots(time.monotonic())) > 0:
             tenant = self.fair.pick(self.wq.pending_by_tenant())
             if tenant is None:
                 break
-            qmsg = await self.wq.fetch(tenant)
-            if qmsg is None:
+            # A few at a time when many slots are free (one round trip to the server for several requests);
+            # few enough that the fair scheduler still decides at a fine grain.
+            qmsgs = await self.wq.fetch(tenant, max(1, min(free // 2, DISPATCH_BATCH)))
+            if not qmsgs:
                 continue
             progressed = True
-            await self._dispatch(qmsg)
+            for qmsg in qmsgs:
+                await self._dispatch(qmsg)
         return progressed
 
     async def _dispatch(self, qmsg: Msg) -> None:
@@ -504,6 +508,11 @@ class RouterService(Service):
         finished, or still runs on a worker and is adopted, or failed too often), False to dispatch it again."""
         req = q.request
         rid = req.request_id
+        # A redelivered request is checked against the workers' heartbeats before it is run again: a router
+        # that just started first hears every live worker a few times.
+        warmup = REGISTRY_WARMUP_S - (time.monotonic() - self._started)
+        if warmup > 0:
+            await asyncio.sleep(warmup)
         done = await self.wq.finished_record(req.tenant, rid)
         if done is not None:
             self.log.info("redelivered_already_finished", status=done.status)
@@ -531,6 +540,25 @@ class RouterService(Service):
         self.log.info("redelivered_dispatching_again")
         self.quota.admit(req.tenant, rid, len(q.prompt_token_ids), req.sampling.max_tokens, now)
         return False
+
+    async def _redelivery_sweep(self) -> None:
+        """Pick up requests whose router died. Dispatch pulls only where requests wait undelivered, so a lane
+        whose only messages are un-acked ones held by no live router needs a pull of its own: when more are
+        un-acked than this router holds, one pull returns any whose ack wait has run out."""
+        while True:
+            await asyncio.sleep(max(0.5, self.queue_ack_wait_s / 3))
+            held: dict[str, int] = {}
+            for inf in self.inflight.values():
+                if inf.queue_msg is not None:
+                    held[inf.queue_msg.subject] = held.get(inf.queue_msg.subject, 0) + 1
+            for lane in self.wq.lanes():
+                if lane.pending > 0 or lane.ack_pending <= held.get(lane.subject, 0):
+                    continue
+                try:
+                    for qmsg in await self.wq.fetch_redelivered(lane):
+                        await self._dispatch(qmsg)
+                except Exception as exc:
+                    self.log.warning("redelivery_sweep_failed", error=str(exc), lane=lane.subject)
 
     async def _keepalive(self) -> None:
         """Keep the queue messages of running requests from being redelivered while this router lives."""

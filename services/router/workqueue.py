@@ -60,7 +60,12 @@ class _Lane:
     klass: int
     sub: JetStreamContext.PullSubscription
     pending: int = 0  # not yet delivered to any router
+    ack_pending: int = 0  # delivered and not acked: running (here or at another router), or due for redelivery
     checked: float = 0.0
+
+    @property
+    def subject(self) -> str:
+        return Subjects.queue(self.tenant, self.klass)
 
 
 class WorkQueue:
@@ -137,21 +142,36 @@ class WorkQueue:
     def pending_by_class(self, tenant: str) -> dict[str, int]:
         return {f"p{k}": max(0, lane.pending) for (t, k), lane in sorted(self._lanes.items()) if t == tenant}
 
-    async def fetch(self, tenant: str) -> Msg | None:
-        """The next waiting message of this tenant, highest class first; None if it has none after all."""
+    async def fetch(self, tenant: str, max_msgs: int = 1) -> list[Msg]:
+        """Up to ``max_msgs`` waiting messages of this tenant from its highest class that has any; [] if it
+        has none after all."""
         for klass in range(NUM_CLASSES):
             lane = self._lanes.get((tenant, klass))
             if lane is None or lane.pending <= 0:
                 continue
+            want = max(1, min(max_msgs, lane.pending))
             try:
-                msgs = await lane.sub.fetch(1, timeout=0.25)
+                msgs = await lane.sub.fetch(want, timeout=0.25)
             except (NatsTimeout, TimeoutError):
                 lane.pending = 0  # someone else took it; the periodic refresh will correct if not
                 continue
-            msg = msgs[0]
-            lane.pending = int(msg.metadata.num_pending)
-            return msg
-        return None
+            if not msgs:
+                lane.pending = 0
+                continue
+            lane.pending = int(msgs[-1].metadata.num_pending)
+            return msgs
+        return []
+
+    def lanes(self) -> list[_Lane]:
+        return list(self._lanes.values())
+
+    async def fetch_redelivered(self, lane: _Lane) -> list[Msg]:
+        """One pull on a lane with nothing new waiting: the server hands out messages whose ack wait ran out
+        (their router died) before anything else."""
+        try:
+            return await lane.sub.fetch(1, timeout=0.2)
+        except (NatsTimeout, TimeoutError):
+            return []
 
     async def refresh(self, force: bool = False) -> None:
         """Re-read pending counts from the server: finds tenants' lanes this router has not seen yet (enqueued
@@ -172,6 +192,7 @@ class WorkQueue:
                 with contextlib.suppress(Exception):
                     ci = await lane.sub.consumer_info()
                     lane.pending = int(ci.num_pending or 0)
+                    lane.ack_pending = int(ci.num_ack_pending or 0)
                     lane.checked = now
 
     async def oldest_wait_ms(self, tenant: str) -> float | None:
@@ -182,7 +203,8 @@ class WorkQueue:
                 continue
             with contextlib.suppress(Exception):
                 ci = await lane.sub.consumer_info()
-                raw = await self.js.get_msg(Subjects.QUEUE_STREAM, seq=int(ci.delivered.stream_seq if ci.delivered else 0) + 1,
+                first_waiting = int(ci.delivered.stream_seq if ci.delivered else 0) + 1
+                raw = await self.js.get_msg(Subjects.QUEUE_STREAM, seq=first_waiting,
                                             subject=Subjects.queue(tenant, klass), next=True)
                 q = proto.decode(raw.data or b"", QueuedRequest)
                 oldest = q.accepted_ms if oldest is None else min(oldest, q.accepted_ms)

@@ -227,7 +227,9 @@ async def test_router_killed_mid_load_loses_no_accepted_request(nats_server: Nat
         async with Client(url, tenant="killme") as c:
             rids = list(await asyncio.gather(*(c.submit(f"job {i}", max_tokens=16) for i in range(200))))
             streams = [asyncio.ensure_future(c.complete(f"stream {i}", max_tokens=16)) for i in range(20)]
-            await asyncio.sleep(1.0)  # some done, some running, most queued
+            deadline = time.monotonic() + 60
+            while len(terminals) < 10 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # some done, some running, most queued
             done_before = len(terminals)
             router.kill()  # SIGKILL: no goodbye, its un-acked queue messages are redelivered later
             router.wait()
@@ -297,3 +299,44 @@ def test_queues_and_usage_commands(stack: tuple[str, Path, Path]) -> None:
     bad = subprocess.run([exe, "usage", "--nats-url", url, "--since", "soon"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode != 0 and "--since" in bad.stderr
+
+
+async def test_new_router_adopts_requests_still_running(nats_server: NatsServer, tmp_path: Path) -> None:
+    # Requests that outlive the ack wait: when their router dies, the new router finds them in the decoder's
+    # heartbeat and adopts them (no second run); it then still watches them, so a decoder death afterwards
+    # is reported as worker_died rather than leaving the caller waiting.
+    url, logs = nats_server.url, tmp_path / "logs"
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(TENANTS)
+    env = dict(__import__("os").environ, SPLITSERVE_MOCK_STEP_MS="300")
+    from splitserve.stackproc import spawn_service as spawn
+
+    router = _spawn_router(url, logs, tenants, "router-a1")
+    slow = spawn("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", "4", nats_url=url,
+                 worker_id="decode-slow", log_dir=logs, env=env)
+    procs = [slow]
+    try:
+        await wait_ready(url, ["router-a1", "decode-slow"], timeout=180)
+        async with Client(url, tenant="killme", idle_timeout=60) as c:
+            gens = [c.generate(f"long {i}", max_tokens=64) for i in range(3)]  # ~19 s each
+            its = [g.__aiter__() for g in gens]
+            for it in its:
+                await it.__anext__()  # running on the decoder
+            router.kill()
+            router.wait()
+            router = _spawn_router(url, logs, tenants, "router-a2")
+            await wait_ready(url, ["router-a2"], timeout=180)
+            # let the ack wait (3 s) pass so the messages are redelivered and adopted, then kill the decoder
+            deadline = time.monotonic() + 30
+            log2 = logs / "router-a2.log"
+            while time.monotonic() < deadline and (not log2.exists() or
+                                                    log2.read_text().count("redelivered_adopted") < 3):
+                await asyncio.sleep(0.2)
+            assert log2.read_text().count("redelivered_adopted") == 3
+            assert "routed" not in log2.read_text()  # nothing ran twice
+            slow.kill()
+            for it in its:
+                with pytest.raises(errors.WorkerDied, match="decode-slow"):
+                    await _drain(it)
+    finally:
+        stop(router, *procs)
