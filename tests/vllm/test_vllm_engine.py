@@ -93,3 +93,10 @@ async def test_stop_token_and_early_stop_free_the_slot(vengine: object) -> None:
         toks2 += out.token_ids
         last = out
     assert last.finish_reason == "stop" and toks2[-1] in eos and len(toks2) < 200
+
+
+async def test_vllm_satisfies_the_generate_contract(vengine: object) -> None:
+    from tests.engines import generate_contract as contract
+
+    await contract.check_all(vengine, vengine.encode("The quick brown fox"),  # type: ignore[arg-type, attr-defined]
+                             vengine.encode("Disaggregated prefill and decode"))  # type: ignore[attr-defined]
