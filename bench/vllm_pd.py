@@ -5,9 +5,9 @@ fresh ~``--tokens``-token prompts (no prefix cache can help):
 
 * TTFT and ITL p50/p99 on the direct path (the decoder's vLLM prefills) and the disaggregated path (the
   prefiller's vLLM prefills with max_tokens=1, the decoder's vLLM pulls the KV over NIXL and decodes);
-* the KV transfer per disaggregated request: ``timings.transfer_ms`` is the decoder's time from receiving
-  the prefiller's kv_transfer_params to its first output, i.e. the NIXL pull plus one decode step; the pull
-  alone is estimated as that minus the ITL p50. KV bytes = prompt tokens x KV bytes per token.
+* the KV transfer per disaggregated request, two ways: vLLM's own NIXL telemetry (transfer duration and
+  bytes, logged by the decoder per request), and ``timings.transfer_ms``, the decoder's time from receiving
+  the prefiller's kv_transfer_params to its first output (the pull, its bookkeeping and one decode step).
 
     python -m bench.vllm_pd [--runs 3] [--tokens 1000] [--max-tokens 32] [--nixl-delay-us N] [--json]
 
@@ -25,9 +25,29 @@ from pathlib import Path
 from typing import Any
 
 from bench.e2e import long_prompt
-from bench.stats import fmt
+from bench.stats import fmt, summary
 
 KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M, fp32
+
+
+def nixl_transfers(log: str, runs: int) -> dict[str, Any]:
+    """vLLM's own NIXL telemetry for the last ``runs`` disaggregated requests, from the decoder's log."""
+    per_request: list[dict[str, Any]] = []
+    for line in log.splitlines():
+        if '"nixl_transfers"' not in line:
+            continue
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        per_request.append({"ms": ev.get("total_ms"), "bytes": ev.get("total_bytes"), "transfers": len(ev["ms"])})
+    per_request = per_request[-runs:]
+    out: dict[str, Any] = {"per_request": per_request}
+    if per_request:
+        out["ms"] = summary([float(r["ms"]) for r in per_request])
+        gbps = [r["bytes"] / 1e9 / (r["ms"] / 1000) for r in per_request if r["ms"]]
+        out["gb_per_s_median"] = sorted(gbps)[len(gbps) // 2] if gbps else None
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
         res["direct"] = asyncio.run(long_prompt(url, "direct", args.runs, args.tokens, args.max_tokens, seed=1))
         res["disaggregated"] = asyncio.run(long_prompt(url, "disaggregated", args.runs, args.tokens,
                                                        args.max_tokens, seed=2))
+        if stack is not None:
+            res["disaggregated"]["nixl"] = nixl_transfers(stack.logs("decode-0"), args.runs)
     finally:
         if stack is not None:
             stack.stop(timeout=60)
@@ -84,6 +106,12 @@ def main(argv: list[str] | None = None) -> None:
     mb = sum(d["kv_bytes_per_request"]) / max(1, len(d["kv_bytes_per_request"])) / 1e6
     print(f"\nKV transfer per disaggregated request: {fmt(xfer)} (decoder: params received -> first output = "
           f"NIXL pull + one step); pull alone ~{fmt(d['kv_pull_ms_est_p50'])}; {mb:,.1f} MB per request")
+    nx = d.get("nixl") or {}
+    if nx.get("per_request"):
+        r0 = nx["per_request"][-1]
+        print(f"vLLM's NIXL telemetry (decoder): transfer p50 {fmt(nx['ms']['p50'])} for "
+              f"{r0['bytes'] / 1e6:,.1f} MB in {r0['transfers']} transfer(s), "
+              f"{nx['gb_per_s_median'] or 0:.2f} GB/s median")
     print("\n" + json.dumps(res))
 
 

@@ -220,6 +220,14 @@ class VllmDecodeService(DecodeService):
                 await self._error(job, ErrorCode.KV_TRANSFER_FAILED if params else ErrorCode.INTERNAL,
                                   f"vLLM request failed: {exc}")
                 return
+            if params is not None:
+                # vLLM's own NIXL telemetry of the pulls since the last request (one request at a time in
+                # the benchmarks: exactly this request's pull)
+                xfers = self.engine.drain_transfers()  # type: ignore[attr-defined]
+                if xfers:
+                    self.log.info("nixl_transfers", request_id=rid, ms=[round(m, 3) for m, _ in xfers],
+                                  bytes=[b for _, b in xfers], total_ms=round(sum(m for m, _ in xfers), 3),
+                                  total_bytes=sum(b for _, b in xfers))
             if rid in self.active:  # vLLM finished before our stop checker did (e.g. aborted inside vLLM)
                 await self._finish(seq, "length" if reason == "length" else "stop")
             elif first:  # no output at all

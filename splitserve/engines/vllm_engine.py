@@ -126,7 +126,21 @@ class _Stats:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.kv_transfer: dict[str, Any] = {}
+        self.transfers: list[tuple[float, int]] = []  # NIXL transfers seen since the last drain: (ms, bytes)
         self.updated = 0.0
+
+    def add_transfers(self, payload: Any) -> None:
+        """Collect NixlConnector's per-transfer telemetry (transfer_duration s, bytes_transferred) wherever it
+        sits in the connector-stats dict (flat, or nested per connector)."""
+        if isinstance(payload, dict):
+            if "transfer_duration" in payload:
+                durations = payload.get("transfer_duration") or []
+                sizes = payload.get("bytes_transferred") or [0] * len(durations)
+                self.transfers.extend((float(d) * 1000, int(b)) for d, b in zip(durations, sizes, strict=False))
+                del self.transfers[:-4096]
+                return
+            for v in payload.values():
+                self.add_transfers(v)
 
 
 def _stat_logger_factory(stats: _Stats) -> Any:
@@ -149,6 +163,7 @@ def _stat_logger_factory(stats: _Stats) -> Any:
                 stats.prefix_hits += getattr(pc, "hits", 0)
             if scheduler_stats.kv_connector_stats:
                 stats.kv_transfer = dict(scheduler_stats.kv_connector_stats)
+                stats.add_transfers(scheduler_stats.kv_connector_stats)
             stats.updated = time.monotonic()
 
         def log_engine_initialized(self) -> None:
@@ -276,6 +291,11 @@ class VllmEngine(GenerateEngine):
         return EngineLoad(running=st.running, waiting=st.waiting, kv_usage=st.kv_usage,
                           num_blocks=self._num_blocks, block_size=self.block_size, prefix_hit_rate=hit,
                           extra={"kv_transfer": st.kv_transfer})
+
+    def drain_transfers(self) -> list[tuple[float, int]]:
+        """NIXL transfers (ms, bytes) vLLM reported since the last call."""
+        out, self._stats.transfers = self._stats.transfers, []
+        return out
 
     async def close(self) -> None:
         await asyncio.to_thread(self.llm.shutdown)
