@@ -41,6 +41,7 @@ tenants:
   capped: {max_inflight: 3, max_prompt_tokens: 40, tokens_per_minute: 2000}
   killme: {}
   waiting: {}
+  adopt: {}
 """
 
 
@@ -172,16 +173,21 @@ async def _drain(it: AsyncIterator[object]) -> int:
     return n
 
 
-async def test_cancel_and_deadline_while_queued(nats_server: NatsServer, tmp_path: Path) -> None:
+async def test_cancel_and_deadline_while_queued(fresh_nats: NatsServer, tmp_path: Path) -> None:
     # A stack of its own whose only decoder is busy with long requests, so the next ones wait in the queue.
-    url, logs = nats_server.url, tmp_path / "logs"
+    url, logs = fresh_nats.url, tmp_path / "logs"  # a server of its own: no other test's router
     tenants = tmp_path / "tenants.yaml"
     tenants.write_text(TENANTS)
-    procs = [_spawn_router(url, logs, tenants, "router-w"), _spawn_decoder(url, logs, "decode-w", max_batch=1)]
+    from splitserve.stackproc import spawn_service as spawn
+
+    slow_env = dict(__import__("os").environ, SPLITSERVE_MOCK_STEP_MS="50")  # 64 tokens: 3.2 s per request
+    procs = [_spawn_router(url, logs, tenants, "router-w"),
+             spawn("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", "1", nats_url=url,
+                   worker_id="decode-w", log_dir=logs, env=slow_env)]
     try:
         await wait_ready(url, ["router-w", "decode-w"], timeout=180)
         async with Client(url, tenant="waiting") as c:
-            busy = [await c.submit("busy", max_tokens=64) for _ in range(6)]
+            busy = [await c.submit("busy", max_tokens=64) for _ in range(3)]
             cancelled = c.generate("to cancel", max_tokens=4)
             it = cancelled.__aiter__()
             task = asyncio.ensure_future(_drain(it))
@@ -193,6 +199,13 @@ async def test_cancel_and_deadline_while_queued(nats_server: NatsServer, tmp_pat
             assert time.monotonic() - t0 < 2.0  # ended while queued, not when it reached the decoder
             exp = await c.complete("deadline", max_tokens=4, timeout=0.5)
             assert exp.finish_reason == "expired" and exp.token_ids == []
+            # priority classes within a tenant: urgent requests sent after low-priority ones run before them
+            low = [await c.submit(f"low {i}", max_tokens=2, priority=9) for i in range(2)]
+            high = [await c.submit(f"high {i}", max_tokens=2, priority=0) for i in range(2)]
+            low_r = [await c.result(rid, wait=60) for rid in low]
+            high_r = [await c.result(rid, wait=60) for rid in high]
+            assert all(r is not None for r in low_r + high_r)
+            assert max(r.timings.queue_ms or 0 for r in high_r if r) < min(r.timings.queue_ms or 0 for r in low_r if r)
             for rid in busy:
                 r = await c.result(rid, wait=60)
                 assert r is not None and len(r.token_ids) == 64
@@ -200,8 +213,8 @@ async def test_cancel_and_deadline_while_queued(nats_server: NatsServer, tmp_pat
         stop(*procs)
 
 
-async def test_router_killed_mid_load_loses_no_accepted_request(nats_server: NatsServer, tmp_path: Path) -> None:
-    url, logs = nats_server.url, tmp_path / "logs"
+async def test_router_killed_mid_load_loses_no_accepted_request(fresh_nats: NatsServer, tmp_path: Path) -> None:
+    url, logs = fresh_nats.url, tmp_path / "logs"  # a server of its own: no other test's router
     tenants = tmp_path / "tenants.yaml"
     tenants.write_text(TENANTS)
     router = _spawn_router(url, logs, tenants, "router-k1")
@@ -301,11 +314,11 @@ def test_queues_and_usage_commands(stack: tuple[str, Path, Path]) -> None:
     assert bad.returncode != 0 and "--since" in bad.stderr
 
 
-async def test_new_router_adopts_requests_still_running(nats_server: NatsServer, tmp_path: Path) -> None:
+async def test_new_router_adopts_requests_still_running(fresh_nats: NatsServer, tmp_path: Path) -> None:
     # Requests that outlive the ack wait: when their router dies, the new router finds them in the decoder's
     # heartbeat and adopts them (no second run); it then still watches them, so a decoder death afterwards
     # is reported as worker_died rather than leaving the caller waiting.
-    url, logs = nats_server.url, tmp_path / "logs"
+    url, logs = fresh_nats.url, tmp_path / "logs"  # a server of its own: no other test's router
     tenants = tmp_path / "tenants.yaml"
     tenants.write_text(TENANTS)
     env = dict(__import__("os").environ, SPLITSERVE_MOCK_STEP_MS="300")
@@ -317,7 +330,7 @@ async def test_new_router_adopts_requests_still_running(nats_server: NatsServer,
     procs = [slow]
     try:
         await wait_ready(url, ["router-a1", "decode-slow"], timeout=180)
-        async with Client(url, tenant="killme", idle_timeout=60) as c:
+        async with Client(url, tenant="adopt", idle_timeout=60) as c:
             gens = [c.generate(f"long {i}", max_tokens=64) for i in range(3)]  # ~19 s each
             its = [g.__aiter__() for g in gens]
             for it in its:
