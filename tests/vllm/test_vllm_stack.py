@@ -107,3 +107,31 @@ def test_cache_index_holds_vllm_blocks(stack: StackProc) -> None:
     # LONG went through prefill-0 (its vLLM holds the blocks) and a decoder (it pulled and cached them)
     assert reply.matched_blocks.get("prefill-0", 0) >= len(ids) // 32 * 2, reply
     assert max(v for k, v in reply.matched_blocks.items() if k.startswith("decode-")) >= len(ids) // 32 * 2, reply
+
+
+def test_heartbeats_carry_vllm_load(stack: StackProc) -> None:
+    from tests.procs import heartbeat_of
+
+    for worker, role in (("decode-0", "decode"), ("prefill-0", "prefill")):
+        hb = asyncio.run(heartbeat_of(stack.nats_url, worker, role))
+        assert hb.engine == "vllm" and hb.state == "ready"
+        assert hb.load.total_blocks > 0  # vLLM's KV pool, in the router's 16-token blocks
+        assert hb.load.free_blocks <= hb.load.total_blocks
+
+
+def test_cancel_mid_stream_aborts_in_vllm(stack: StackProc) -> None:
+    from splitserve.client import Client
+
+    async def go() -> tuple[str | None, int]:
+        async with Client(stack.nats_url, tenant="t") as c:
+            gen = c.generate("Write a very long story about a dragon.", chat=True, max_tokens=500)
+            n = 0
+            async for _ in gen:
+                n += 1
+                if n == 3:
+                    await gen.cancel()
+            assert gen.result is not None
+            return gen.result.finish_reason, len(gen.result.token_ids)
+
+    reason, n = asyncio.run(go())
+    assert reason == "cancelled" and n < 100
