@@ -9,9 +9,10 @@ Two fixes every vLLM process needs here, applied by :func:`prepare` in the worke
   looks for.
 * NIXL, as vLLM's ``NixlConnector`` creates it, runs a UCX progress thread with ``pthrDelay = 0``, which the
   UCX engine turns into ``poll(fds, 0)``: every idle agent spins a core. On a 2-core machine the prefiller's
-  and the decoder's agents together starved the decoder's forward passes (20 tokens in 31 s). The config
-  class is patched so the thread sleeps up to ``SPLITSERVE_NIXL_PROGRESS_DELAY_US`` (default 10 ms) between
-  events (an event still wakes it at once). ``nixl-cu12`` is also aliased as ``nixl``, the name vLLM imports.
+  and the decoder's agents together starved the decoder's forward passes. The config class is patched so
+  the thread sleeps up to ``SPLITSERVE_NIXL_PROGRESS_DELAY_US`` (default 10 ms) between events (an event
+  still wakes it at once). ``nixl-cu12`` is also aliased as ``nixl``, the name vLLM imports.
+  (The other half of the slow CPU decode was OpenMP oversubscription: see ``vllm_engine._apply_env``.)
 """
 
 from __future__ import annotations
