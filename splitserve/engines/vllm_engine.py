@@ -85,7 +85,8 @@ def _apply_env(cfg: VllmConfig, gpu: bool) -> None:
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     if cfg.nixl_side_channel_port:
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(cfg.nixl_side_channel_port)
-        os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1" if not gpu else "0.0.0.0")
+        # advertised to the decoders inside kv_transfer_params: set it to the data-network address on a cluster
+        os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
     if cfg.lmcache_config_file:
         os.environ["LMCACHE_CONFIG_FILE"] = cfg.lmcache_config_file
 
