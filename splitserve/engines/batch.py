@@ -13,6 +13,12 @@ for every stream, at every join:
 * leave: the row's KV is copied out, and the last row is moved into its slot (cost: one sequence);
 * the buffers are reused across joins/leaves and grow geometrically, so fresh memory (page faults, the
   other big cost on CPU) is touched rarely; the layout is compacted when over half of it is padding.
+
+Rows of very different lengths (a 3,000-token prompt joining 100-token streams) are attended in groups of
+similar length (``splitserve.engines.attention.row_groups``), each over its own columns only: a short row no
+longer pays, every step, for the long row's width. Padding a group reads must be finite (masked weights are
+exactly 0, but 0 * NaN garbage is NaN), so it is zeroed lazily, only as far as the row's group reaches: a join
+no longer writes zeros across every short row's full width (the bulk of a long join's cost).
 """
 
 from __future__ import annotations
@@ -22,8 +28,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from splitserve.engines.attention import RowGroup
 from splitserve.engines.base import ModelInfo, Sampling
 from splitserve.engines.kvcache import BatchCache
+
+# A row starts a new attention group when it is this much longer than the group's shortest row.
+GROUP_RATIO = 2
+GROUP_SLACK = 256
 
 
 @dataclass
@@ -32,6 +43,7 @@ class _Seq:
     length: int  # tokens in KV
     last_token: int  # fed at position `length` by the next step
     sampling: Sampling
+    zero_from: int = 0  # columns [zero_from, width - length) of its row are zeros (finite padding)
 
 
 @dataclass(frozen=True)
@@ -43,11 +55,16 @@ class StepInputs:
     seq_ids: list[str]
     samplings: list[Sampling]
     sample_positions: list[int]  # absolute position of the token each row samples
+    groups: list[RowGroup] | None = None  # attention row groups (None: one group over every column)
 
 
 class DecodeBatch:
-    def __init__(self, info: ModelInfo, dtype: torch.dtype, device: torch.device, min_headroom: int = 64) -> None:
+    def __init__(self, info: ModelInfo, dtype: torch.dtype, device: torch.device, min_headroom: int = 64,
+                 grouped: bool = False) -> None:
         self.info, self.dtype, self.device = info, dtype, device
+        # grouped: the model's attention honours row groups; otherwise every row attends over all columns,
+        # so all padding must be zeroed
+        self.grouped = grouped
         self.min_headroom = min_headroom  # columns reserved beyond the width when (re)allocating
         self.rows: list[_Seq] = []  # row order
         self.keys: list[Tensor] = []  # per layer [row_capacity, H, col_capacity, D]
@@ -97,9 +114,9 @@ class DecodeBatch:
                 for row, seq in enumerate(self.rows):
                     source = old[layer][row, :, old_width - seq.length : old_width]
                     start = width - seq.length
-                    # padding is masked out, but 0 * NaN garbage would still poison attention
                     new[row, :, start:width] = source.clone() if in_place else source  # clone: overlap
-                    new[row, :, :start] = 0
+        for seq in self.rows:
+            seq.zero_from = width - seq.length  # padding is zeroed lazily, as far as attention reads it
         self.relayouts += 1
 
     def add(self, seq_id: str, kv: Tensor, last_token: int, sampling: Sampling) -> None:
@@ -113,9 +130,8 @@ class DecodeBatch:
         row, start = len(self.rows), self.width - length
         for layer in range(self.info.num_layers):
             for buf, part in ((self.keys[layer], 0), (self.values[layer], 1)):
-                buf[row, :, :start] = 0  # see _relayout: padding must be finite
                 buf[row, :, start : self.width] = kv[layer, part]
-        self.rows.append(_Seq(seq_id, length, int(last_token), sampling))
+        self.rows.append(_Seq(seq_id, length, int(last_token), sampling, zero_from=start))
 
     def remove(self, seq_id: str, keep_kv: bool = True) -> Tensor | None:
         try:
@@ -128,13 +144,16 @@ class DecodeBatch:
             with torch.inference_mode(False):  # an ordinary tensor: callers may keep and modify it freely
                 out = self._empty(self.info.kv_shape(seq.length))
         start = self.width - seq.length
+        moved = self.rows[last]
+        moved_start = self.width - moved.length
         for layer in range(self.info.num_layers):
             for buf, part in ((self.keys[layer], 0), (self.values[layer], 1)):
                 if out is not None:
                     out[layer, part] = buf[row, :, start : self.width]
-                if row != last:  # keep rows dense: the last row moves into the hole
-                    buf[row, :, : self.width] = buf[last, :, : self.width]
-        self.rows[row] = self.rows[last]
+                if row != last:  # keep rows dense: the last row's data moves into the hole
+                    buf[row, :, moved_start : self.width] = buf[last, :, moved_start : self.width]
+        moved.zero_from = moved_start
+        self.rows[row] = moved
         self.rows.pop()
         longest = max((s.length for s in self.rows), default=0)
         if not self.rows:
@@ -153,10 +172,12 @@ class DecodeBatch:
         b = len(self.rows)
         lengths = torch.tensor([s.length for s in self.rows], dtype=torch.long)
         mask = None
+        groups = None
         if any(s.length != self.width for s in self.rows):
             # a row's first real column is width - length; the new column (index width) is always real
             columns = torch.arange(self.width + 1)
             mask = (columns.unsqueeze(0) >= (self.width - lengths).unsqueeze(1)).to(self.device)
+            groups = self._groups()
         return StepInputs(
             input_ids=torch.tensor([[s.last_token] for s in self.rows], device=self.device),
             position_ids=lengths.unsqueeze(1).to(self.device),
@@ -165,7 +186,39 @@ class DecodeBatch:
             seq_ids=self.seq_ids,
             samplings=[s.sampling for s in self.rows],
             sample_positions=[s.length + 1 for s in self.rows],
+            groups=groups,
         )
+
+    def _groups(self) -> list[RowGroup] | None:
+        """Rows grouped by length, each group reading only its own columns; zeroes the padding they read."""
+        order = sorted(range(len(self.rows)), key=lambda r: self.rows[r].length)
+        members: list[list[int]] = []
+        for r in order:
+            length = self.rows[r].length
+            if members and (not self.grouped
+                            or length <= GROUP_RATIO * self.rows[members[-1][0]].length + GROUP_SLACK):
+                members[-1].append(r)
+            else:
+                members.append([r])
+        groups = []
+        for rows in members:
+            # ungrouped: every row reads from column 0
+            first = self.width - max(self.rows[r].length for r in rows) if self.grouped else 0
+            for r in rows:
+                self._zero(r, first)
+            lo, hi = min(rows), max(rows)
+            sel: slice | Tensor = slice(lo, hi + 1) if hi - lo + 1 == len(rows) else \
+                torch.tensor(sorted(rows), dtype=torch.long, device=self.device)
+            groups.append(RowGroup(sel, first))
+        return groups if self.grouped else None
+
+    def _zero(self, row: int, first: int) -> None:
+        seq = self.rows[row]
+        if seq.zero_from > first:
+            for layer in range(self.info.num_layers):
+                self.keys[layer][row, :, first : seq.zero_from] = 0
+                self.values[layer][row, :, first : seq.zero_from] = 0
+            seq.zero_from = first
 
     def advance(self, new_tokens: dict[str, int]) -> None:
         """Record a finished step: each fed token is now in KV and the sampled one is next to feed."""

@@ -18,7 +18,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from splitserve.engines.attention import use_gqa_sdpa
+from splitserve.engines.attention import row_groups, use_gqa_sdpa
 from splitserve.engines.base import (
     ContextFull,
     Engine,
@@ -79,14 +79,14 @@ class HfEngine(Engine):
             # process-wide in torch: workers pinned to N cores should pass N
             torch.set_num_threads(num_threads)
         self.model = model.eval()
-        if gqa_sdpa:
-            use_gqa_sdpa(self.model)  # switches the model in place (stock SDPA -> masked-GQA SDPA)
+        # switches the model in place (stock SDPA -> masked-GQA SDPA with per-row-group attention)
+        grouped = use_gqa_sdpa(self.model) if gqa_sdpa else False
         self.tokenizer = tokenizer
         self.info = _model_info(model, tokenizer, name, max_model_len)
         self.dtype: torch.dtype = model.dtype
         self.device: torch.device = model.device
         self.load_seconds: float | None = None
-        self._batch = DecodeBatch(self.info, self.dtype, self.device, min_headroom=kv_headroom)
+        self._batch = DecodeBatch(self.info, self.dtype, self.device, min_headroom=kv_headroom, grouped=grouped)
 
     @classmethod
     def load(
@@ -189,13 +189,14 @@ class HfEngine(Engine):
             inputs = self._batch.prepare()
             if inputs is None:
                 return {}
-            logits = self.model(
-                input_ids=inputs.input_ids,
-                position_ids=inputs.position_ids,
-                attention_mask=inputs.attention_mask,
-                past_key_values=inputs.cache,
-                use_cache=True,
-            ).logits[:, -1]
+            with row_groups(inputs.groups):
+                logits = self.model(
+                    input_ids=inputs.input_ids,
+                    position_ids=inputs.position_ids,
+                    attention_mask=inputs.attention_mask,
+                    past_key_values=inputs.cache,
+                    use_cache=True,
+                ).logits[:, -1]
             tokens = sample(logits, inputs.samplings, inputs.sample_positions)
         result = dict(zip(inputs.seq_ids, tokens, strict=True))
         self._batch.advance(result)
