@@ -27,6 +27,9 @@ def main(
     cache_tokens: int = typer.Option(8192, help="prefix-cache capacity in tokens (0 = off)"),
     l1_tokens: int = typer.Option(0, help="CPU L1 prefix-cache tier capacity in tokens (0 = off)"),
     prefill_chunk: int = typer.Option(256, help="local prefill chunk (tokens) while other streams are active"),
+    max_retire_copy_tokens: int = typer.Option(1024, help="a finished sequence longer than this is not copied "
+                                               "into the prefix cache while other streams are active (the copy "
+                                               "would stall them; its prefiller keeps the prompt's prefix)"),
     log_level: str = cli.LogLevel,
     kv_connector: str = cli.KvConnector,
     kv_backend: str = cli.KvBackend,
@@ -55,7 +58,8 @@ def main(
         return
     run_service(DecodeService(worker_id, nats_url, opts=opts, landing_tokens=landing_tokens,
                               max_batch=max_batch, cache_tokens=cache_tokens, l1_tokens=l1_tokens,
-                              prefill_chunk=prefill_chunk, log_level=log_level))
+                              prefill_chunk=prefill_chunk, max_retire_copy_tokens=max_retire_copy_tokens,
+                              log_level=log_level))
 
 
 if __name__ == "__main__":

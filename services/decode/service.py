@@ -43,7 +43,7 @@ from services.common.engine_thread import EngineThread
 from services.common.kvcache import KvEventPublisher, kv_layout
 from services.common.options import EngineOptions
 from splitserve.cache.store import PrefixKvStore
-from splitserve.engines import PrefillResult, PromptTooLong, Sampling
+from splitserve.engines import KvSource, PrefillResult, PromptTooLong, Sampling
 from splitserve.engines.detok import IncrementalDetokenizer, StopChecker
 from splitserve.kv import BlockPool, make_receiver
 from splitserve.obs import tracing
@@ -62,7 +62,8 @@ class Reservation:
 @dataclass
 class Admission:
     job: DecodeJob
-    kv: torch.Tensor | None = None  # landed KV (disaggregated) or None (prefill locally)
+    kv: torch.Tensor | KvSource | None = None  # landed KV (disaggregated) or None (prefill locally)
+    blocks: list[int] | None = None  # landing blocks holding kv, freed once the engine has copied it
     first_token: int | None = None
     cached_tokens: int = 0
     prefill_ms: float | None = None
@@ -105,11 +106,13 @@ class DecodeService(Service):
         cache_tokens: int = 8192,
         l1_tokens: int = 0,
         prefill_chunk: int = 256,
+        max_retire_copy_tokens: int = 1024,
         **kw: Any,
     ) -> None:
         super().__init__(worker_id, nats_url, **kw)
         self.opts = opts
         self.prefill_chunk = prefill_chunk
+        self.max_retire_copy_tokens = max_retire_copy_tokens
         self.prefill_tps: float | None = None  # EMA of local prefill speed, reported in heartbeats
         self.cache_tokens = cache_tokens
         self.l1_tokens = l1_tokens
@@ -155,6 +158,7 @@ class DecodeService(Service):
         for seq in list(self.active.values()):
             await self._error(seq.job, ErrorCode.WORKER_DIED, f"decode worker {self.worker_id} is shutting down")
         for adm in list(self.pending):
+            self._release(adm)
             await self._error(adm.job, ErrorCode.WORKER_DIED, f"decode worker {self.worker_id} is shutting down")
         self.receiver.close()
         self.thread.close()
@@ -229,6 +233,7 @@ class DecodeService(Service):
         for adm in list(self.pending):
             if adm.job.request_id == rid and adm.job.tenant == c.tenant:
                 self.pending.remove(adm)
+                self._release(adm)
                 await self._finish_unstarted(adm.job, "cancelled")
                 return
 
@@ -261,14 +266,15 @@ class DecodeService(Service):
             return
         try:
             await self.receiver.wait(res.transfer_id, timeout=10.0)
-            # Off the event loop: a 100 MB copy here would delay every token publish and heartbeat.
-            kv = await asyncio.to_thread(self.pool.gather, res.block_ids, done.kv.num_tokens)
+            # The engine copies the KV straight from the landing blocks into its batch, layer by layer, when
+            # it admits the sequence (one copy); the blocks are held until then.
+            kv = self.pool.source(res.block_ids, done.kv.num_tokens)
         except Exception as exc:
+            self.pool.free(res.block_ids)
             await self._error(done.decode, ErrorCode.KV_TRANSFER_FAILED, f"KV did not land: {exc}")
             return
-        finally:
-            self.pool.free(res.block_ids)
-        self.pending.append(Admission(job=done.decode, kv=kv, first_token=done.first_token,
+        self.pending.append(Admission(job=done.decode, kv=kv, blocks=list(res.block_ids),
+                                      first_token=done.first_token,
                                       cached_tokens=done.kv.cached_tokens, prefill_ms=done.kv.prefill_ms,
                                       transfer_ms=done.kv.transfer_ms, headers=dict(msg.headers or {}),
                                       started_ms=done.kv.started_ms, kv_bytes=done.kv.kv_bytes))
@@ -305,7 +311,18 @@ class DecodeService(Service):
                         await self._drop(seq.job.request_id)
                     await self._error(seq.job, ErrorCode.INTERNAL, f"decode engine failed: {exc}")
 
+    def _release(self, adm: Admission) -> None:
+        if adm.blocks is not None:
+            self.pool.free(adm.blocks)
+            adm.blocks, adm.kv = None, None
+
     async def _admit(self, adm: Admission) -> None:
+        try:
+            await self._admit_one(adm)
+        finally:
+            self._release(adm)
+
+    async def _admit_one(self, adm: Admission) -> None:
         job = adm.job
         started_ms = adm.started_ms or now_ms()
         if job.request_id in self.cancelled:
@@ -455,7 +472,11 @@ class DecodeService(Service):
 
     async def _drop(self, request_id: str, tokens: list[int] | None = None) -> None:
         if self.active.pop(request_id, None) is not None:
-            await self.thread.run(self._retire, request_id, tokens or [], tokens is not None)
+            # Copying a long sequence's KV into the prefix cache pauses every other stream for that long (a
+            # 3,000-token sequence: ~80 ms, most of a decode step); with streams active, skip it. The prompt's
+            # prefix stays cached where it was prefilled.
+            keep = tokens is not None and (not self.active or len(tokens) <= self.max_retire_copy_tokens)
+            await self.thread.run(self._retire, request_id, tokens or [], keep)
             if self.kv_events is not None:
                 await self.kv_events.flush()
 

@@ -13,6 +13,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -96,6 +97,30 @@ class ContextFull(EngineError):
         super().__init__(f"sequence {seq_id!r} would reach {tokens} tokens; the model's maximum length is {limit}")
 
 
+@runtime_checkable
+class KvSource(Protocol):
+    """A sequence's KV held elsewhere (the landing blocks of a KV transfer), read one layer at a time: an
+    engine copies it straight into its own layout, with no whole-sequence intermediate tensor (for a
+    3,000-token prompt that tensor was three 138 MB copies into fresh memory, on the decoder's core)."""
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def layer(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Keys and values of one layer, each [num_kv_heads, num_tokens, head_dim]."""
+        ...
+
+
+def materialize(kv: Tensor | KvSource, info: ModelInfo) -> Tensor:
+    """The KV as one [L, 2, H, T, D] tensor (for engines that keep whole-sequence tensors)."""
+    if isinstance(kv, Tensor):
+        return kv
+    out = torch.empty(info.kv_shape(kv.num_tokens), dtype=getattr(torch, info.dtype))
+    for layer in range(info.num_layers):
+        out[layer, 0], out[layer, 1] = kv.layer(layer)
+    return out
+
+
 def check_kv(kv: Tensor, info: ModelInfo, what: str = "kv") -> int:
     """Validate a KV tensor against the model; returns its token count."""
     if kv.dim() != 5:
@@ -146,7 +171,7 @@ class Engine(ABC):
 
     # -- decode ---------------------------------------------------------------------------------------------
     @abstractmethod
-    def add_sequence(self, seq_id: str, kv: Tensor, last_token: int, sampling: Sampling) -> None:
+    def add_sequence(self, seq_id: str, kv: Tensor | KvSource, last_token: int, sampling: Sampling) -> None:
         """Join the decode batch. kv covers the prompt; last_token was sampled after it and is not in kv."""
 
     @abstractmethod

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from splitserve.engines.attention import RowGroup
-from splitserve.engines.base import ModelInfo, Sampling
+from splitserve.engines.base import KvSource, ModelInfo, Sampling
 from splitserve.engines.kvcache import BatchCache
 
 # A row starts a new attention group when it is this much longer than the group's shortest row.
@@ -119,18 +119,19 @@ class DecodeBatch:
             seq.zero_from = width - seq.length  # padding is zeroed lazily, as far as attention reads it
         self.relayouts += 1
 
-    def add(self, seq_id: str, kv: Tensor, last_token: int, sampling: Sampling) -> None:
+    def add(self, seq_id: str, kv: Tensor | KvSource, last_token: int, sampling: Sampling) -> None:
         if any(s.seq_id == seq_id for s in self.rows):
             raise ValueError(f"sequence {seq_id!r} is already active")
-        length = int(kv.shape[3])
+        length = int(kv.shape[3]) if isinstance(kv, Tensor) else kv.num_tokens
         row_cap, col_cap = self._capacity()
         width = max(self.width, length)
         if width != self.width or len(self.rows) + 1 > row_cap or width + 1 > col_cap:
             self._relayout(width, len(self.rows) + 1, width + 1)
         row, start = len(self.rows), self.width - length
         for layer in range(self.info.num_layers):
-            for buf, part in ((self.keys[layer], 0), (self.values[layer], 1)):
-                buf[row, :, start : self.width] = kv[layer, part]
+            k, v = (kv[layer, 0], kv[layer, 1]) if isinstance(kv, Tensor) else kv.layer(layer)
+            self.keys[layer][row, :, start : self.width] = k  # copy_ converts dtype when they differ
+            self.values[layer][row, :, start : self.width] = v
         self.rows.append(_Seq(seq_id, length, int(last_token), sampling, zero_from=start))
 
     def remove(self, seq_id: str, keep_kv: bool = True) -> Tensor | None:

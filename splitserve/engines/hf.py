@@ -22,6 +22,7 @@ from splitserve.engines.attention import row_groups, use_gqa_sdpa
 from splitserve.engines.base import (
     ContextFull,
     Engine,
+    KvSource,
     LayerHook,
     ModelInfo,
     PrefillResult,
@@ -169,15 +170,22 @@ class HfEngine(Engine):
         return PrefillResult(first_token=first, kv=out, num_computed_tokens=len(ids) - reused)
 
     # -- decode ---------------------------------------------------------------------------------------------
-    def add_sequence(self, seq_id: str, kv: Tensor, last_token: int, sampling: Sampling) -> None:
-        num_tokens = check_kv(kv, self.info)
+    def add_sequence(self, seq_id: str, kv: Tensor | KvSource, last_token: int, sampling: Sampling) -> None:
+        if isinstance(kv, Tensor):
+            num_tokens = check_kv(kv, self.info)
+        else:
+            num_tokens = kv.num_tokens
+            k0, _ = kv.layer(0)
+            expected = (self.info.num_kv_heads, num_tokens, self.info.head_dim)
+            if tuple(k0.shape) != expected:
+                raise ValueError(f"kv source layers are {tuple(k0.shape)}, the model needs {expected}")
         if not 0 <= int(last_token) < self.info.vocab_size:
             # caught here, not as an embedding IndexError that would fail every sequence's step
             raise ValueError(f"last_token {last_token} is outside the vocabulary (size {self.info.vocab_size})")
         # kv + last_token must leave room for the token this sequence's first step produces
         if num_tokens + 1 >= self.info.max_model_len:
             raise PromptTooLong(num_tokens + 1, self.info.max_model_len)
-        if kv.dtype != self.dtype or kv.device != self.device:
+        if isinstance(kv, Tensor) and (kv.dtype != self.dtype or kv.device != self.device):
             kv = kv.to(dtype=self.dtype, device=self.device)
         self._batch.add(seq_id, kv, last_token, sampling)
 

@@ -35,12 +35,14 @@ from torch import Tensor
 from splitserve.engines.base import (
     ContextFull,
     Engine,
+    KvSource,
     LayerHook,
     ModelInfo,
     PrefillResult,
     PromptTooLong,
     Sampling,
     check_kv,
+    materialize,
 )
 from splitserve.engines.model_files import resolve_model
 from splitserve.engines.sampling import _splitmix64
@@ -260,7 +262,8 @@ class MockEngine(Engine):
         return PrefillResult(first_token=first, kv=out, num_computed_tokens=computed)
 
     # -- decode ---------------------------------------------------------------------------------------------
-    def add_sequence(self, seq_id: str, kv: Tensor, last_token: int, sampling: Sampling) -> None:
+    def add_sequence(self, seq_id: str, kv: Tensor | KvSource, last_token: int, sampling: Sampling) -> None:
+        kv = materialize(kv, self.info)
         num_tokens = check_kv(kv, self.info)
         if not 0 <= int(last_token) < self.info.vocab_size:
             raise ValueError(f"last_token {last_token} is outside the vocabulary (size {self.info.vocab_size})")

@@ -138,6 +138,17 @@ class BlockPool:
         if rest:
             self.tensor[layer, block_ids[full], :, :, :rest, :] = kv[:, :, full * bs :, :]
 
+    def source(self, block_ids: Sequence[int], num_tokens: int) -> BlockKv:
+        """The KV in these blocks, for an engine to read layer by layer (see ``engines.KvSource``); valid
+        until the blocks are freed."""
+        lay = self.layout
+        if lay.blocks_for_tokens(num_tokens) != len(block_ids):
+            raise ValueError(
+                f"{num_tokens} tokens need {lay.blocks_for_tokens(num_tokens)} blocks, got {len(block_ids)}"
+            )
+        self.check_block_ids(block_ids)
+        return BlockKv(self, list(block_ids), num_tokens)
+
     def gather(self, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
         """Read ``num_tokens`` of KV out of ``block_ids`` as a fresh ``[L, 2, H, T, D]`` tensor."""
         lay = self.layout
@@ -152,3 +163,23 @@ class BlockPool:
             lay.num_layers, 2, lay.num_kv_heads, n * lay.block_size, lay.head_dim
         )
         return kv[:, :, :, :num_tokens, :].contiguous()
+
+
+class BlockKv:
+    """One sequence's KV in pool blocks, read one layer at a time (an ``engines.KvSource``)."""
+
+    def __init__(self, pool: BlockPool, block_ids: list[int], num_tokens: int) -> None:
+        self.pool, self.block_ids, self._num_tokens = pool, block_ids, num_tokens
+        self._idx = torch.tensor(block_ids, dtype=torch.long)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lay = self.pool.layout
+        # one layer's blocks [n, 2, H, bs, D] -> [2, H, n * bs, D]: a few MB, cache-resident
+        blocks = self.pool.tensor[layer].index_select(0, self._idx)
+        kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, lay.num_kv_heads, len(self.block_ids) * lay.block_size,
+                                                    lay.head_dim)
+        return kv[0, :, : self._num_tokens], kv[1, :, : self._num_tokens]
