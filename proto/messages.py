@@ -361,6 +361,7 @@ class WorkerLoad(BaseModel):
     cached_blocks: int = 0  # prefix-cache blocks resident (all tiers)
     prefill_tokens_per_s: float | None = None  # measured local prefill speed (feeds the router's stall rule)
     max_seqs: int | None = None  # the most sequences it runs at once (the router paces its queue by it)
+    step_ms: float | None = None  # recent decode step time: the fixed cost of any forward pass it runs
 
 
 class Heartbeat(Message):

@@ -72,7 +72,7 @@ def up(
     decode_cpus: str | None = typer.Option(None, "--decode-cpus", help="cores of the decode pool (default: the rest)"),
     colocated: bool = typer.Option(False, "--colocated", help="no prefill pool: every prompt prefilled on the "
                                    "decoders, on all cores (the baseline disaggregation is measured against)"),
-    max_stall_ms: float = typer.Option(250.0, "--max-stall-ms", help="longest pause a direct prefill may impose "
+    max_stall_ms: float = typer.Option(100.0, "--max-stall-ms", help="longest pause a direct prefill may impose "
                                        "on a decoder's active streams before the prompt goes to a prefiller"),
     http_port: int = typer.Option(8000, "--http-port", help="OpenAI-compatible HTTP API port (0 = a free one; "
                                   "a free one if taken)"),

@@ -49,7 +49,7 @@ class StackConfig:
     prefill_cpus: str | None = None  # e.g. "0" or "0-3"; default: the first half of the cores
     decode_cpus: str | None = None  # default: the other half (all cores when there are no prefillers)
     colocated: bool = False  # no prefill pool: every prompt is prefilled on the decoders (for comparison)
-    max_stall_ms: float = 250.0
+    max_stall_ms: float = 100.0
     http_port: int = 8000  # the OpenAI-compatible front door; 0 (or taken) = a free port
     log_level: str = "INFO"
     kv_connector: str = "nixl"  # --engine vllm: vLLM's KV connector between the pools (nixl | lmcache)

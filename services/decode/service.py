@@ -113,6 +113,7 @@ class DecodeService(Service):
         self.opts = opts
         self.prefill_chunk = prefill_chunk
         self.max_retire_copy_tokens = max_retire_copy_tokens
+        self.step_ms: float | None = None  # EWMA of decode step time
         self.prefill_tps: float | None = None  # EMA of local prefill speed, reported in heartbeats
         self.cache_tokens = cache_tokens
         self.l1_tokens = l1_tokens
@@ -177,6 +178,7 @@ class DecodeService(Service):
             // max(1, self.opts.block_size),
             cached_blocks=sum(self.store.stats().blocks.values()) if self.store is not None else 0,
             prefill_tokens_per_s=self.prefill_tps,
+            step_ms=None if self.step_ms is None else round(self.step_ms, 2),
         )
 
     def active_requests(self) -> list[str]:
@@ -409,7 +411,10 @@ class DecodeService(Service):
         return max(1, min(job.sampling.max_tokens, self.engine.room_for(len(job.prompt_token_ids))))
 
     async def _step(self) -> None:
+        t0 = time.perf_counter()
         out = await self.thread.run(self.engine.step)
+        ms = (time.perf_counter() - t0) * 1000
+        self.step_ms = ms if self.step_ms is None else 0.8 * self.step_ms + 0.2 * ms
         for rid, tok in out.items():
             seq = self.active.get(rid)
             if seq is not None:

@@ -17,7 +17,7 @@ def main(
     strategy: str = typer.Option("roundrobin"),
     disagg_threshold: int = typer.Option(512, help="uncached prompt tokens at or above which to use a prefiller"),
     no_worker_wait_s: float = typer.Option(5.0),
-    max_stall_ms: float = typer.Option(250.0, help="most a direct prefill may pause a decoder's active streams "
+    max_stall_ms: float = typer.Option(100.0, help="most a direct prefill may pause a decoder's active streams "
                                        "(<= 0: no limit)"),
     decoder_prefill_tps: float = typer.Option(800.0, help="assumed decoder prefill speed until it reports one"),
     tenants: str | None = typer.Option(None, "--tenants", help="tenants file (weights, quotas); without it any "

@@ -117,7 +117,7 @@ class RouterService(Service):
         disagg_threshold: int = 512,
         no_worker_wait_s: float = 5.0,
         max_inflight: int = 1024,
-        max_stall_ms: float | None = 250.0,
+        max_stall_ms: float | None = 100.0,
         results_ttl_s: float = 86400.0,
         decoder_prefill_tps: float = 800.0,
         tenants_file: str | None = None,
@@ -653,4 +653,5 @@ class RouterService(Service):
             active_seqs=hb.load.active_seqs, queued_prefill_tokens=hb.load.queued_prefill_tokens,
             free_blocks=hb.load.free_blocks, total_blocks=hb.load.total_blocks,
             used_blocks=hb.load.used_blocks, prefill_tokens_per_s=hb.load.prefill_tokens_per_s,
+            step_ms=hb.load.step_ms,
         )

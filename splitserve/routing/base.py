@@ -100,7 +100,8 @@ class WorkerView:
 
     ``used_blocks`` is the KV held by its active sequences (the decode load); ``free_blocks`` /
     ``total_blocks`` its KV pool (0 = unknown); ``prefill_tokens_per_s`` a measured or configured prefill
-    rate (None = unknown), used to compare heterogeneous workers and for the disaggregation stall rule.
+    rate (None = unknown), used to compare heterogeneous workers and for the disaggregation stall rule;
+    ``step_ms`` a decoder's recent decode step time, the fixed cost any local prefill adds to its streams.
     """
 
     worker_id: str
@@ -113,6 +114,7 @@ class WorkerView:
     total_blocks: int = 0
     used_blocks: int = 0
     prefill_tokens_per_s: float | None = None
+    step_ms: float | None = None  # a decoder's recent decode step time (None = unknown)
 
     @property
     def load(self) -> int:

@@ -6,7 +6,8 @@ first match wins (the name is the decision's ``reason``):
 
 1. ``fully_cached``  - nothing to compute (or an empty prompt)                        -> direct
 2. ``would_stall``   - ``max_stall_ms`` is set, the decoder has active streams and the local prefill would
-                       take longer than that at the decoder's prefill rate             -> disaggregated
+                       take longer than that: one forward pass's fixed cost (the decoder's step time) plus
+                       the uncached tokens at its prefill rate                          -> disaggregated
 3. ``short_uncached`` / ``mostly_cached`` - the size rules say the prefill is cheap     -> direct:
       * absolute: uncached < ``min_uncached_tokens`` (512 suits CPU workers; Dynamo uses 2048 on GPUs)
       * relative: uncached / prompt < ``max_direct_fraction`` (off when None)
@@ -103,8 +104,13 @@ class DisaggPolicy:
             values["max_stall_ms"] = self.max_stall_ms
             values["decoder_active_seqs"] = decoder.active_seqs
             if rate:
-                stall_ms = 1000.0 * uncached / rate  # the pause this prefill adds to the decoder's streams
+                # The pause this prefill adds to the decoder's streams: a forward pass's fixed cost (reading
+                # every weight once, measured as the decoder's step time) plus the prompt's own compute. On CPU
+                # the fixed part dominates short prompts: 25 tokens paused 4 streams ~130 ms, not 31.
+                fixed = decoder.step_ms or 0.0
+                stall_ms = fixed + 1000.0 * uncached / rate
                 values["decoder_prefill_tokens_per_s"] = rate
+                values["decoder_step_ms"] = decoder.step_ms
                 values["stall_ms"] = round(stall_ms, 2)
                 if decoder.active_seqs > 0 and stall_ms > self.max_stall_ms:
                     return RouteChoice(DISAGGREGATED, "would_stall", values)

@@ -110,4 +110,5 @@ def _plus(v: WorkerView, acc: list[int]) -> WorkerView:
         v.total_blocks,
         v.used_blocks + acc[2],
         v.prefill_tokens_per_s,
+        v.step_ms,
     )

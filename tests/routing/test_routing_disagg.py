@@ -131,3 +131,31 @@ def test_no_prefillers_is_always_direct_and_reasons_are_known(
     assert rc.reason in {"fully_cached", "would_stall", "short_uncached", "mostly_cached", "long_uncached"}
     if rc.route == DISAGGREGATED:
         assert min(uncached, prompt) > 0
+
+
+def test_stall_counts_a_forward_passs_fixed_cost() -> None:
+    # 25 tokens at 800 tok/s is 31 ms of compute, but a CPU decoder whose steps take 100 ms pauses its streams
+    # for a whole forward pass plus that: 131 ms, over a 100 ms bound -> a prefiller takes it.
+    busy = WorkerView("d", active_seqs=4, prefill_tokens_per_s=800.0, step_ms=100.0)
+    rc = DisaggPolicy(max_stall_ms=100).decide(25, 25, busy, True)
+    assert (rc.route, rc.reason) == (DISAGGREGATED, "would_stall")
+    assert rc.values["stall_ms"] == pytest.approx(131.25) and rc.values["decoder_step_ms"] == 100.0
+    unknown = WorkerView("d", active_seqs=4, prefill_tokens_per_s=800.0)  # no step time reported yet
+    assert DisaggPolicy(max_stall_ms=100).decide(25, 25, unknown, True).route == DIRECT
+    idle = WorkerView("d", active_seqs=0, prefill_tokens_per_s=800.0, step_ms=100.0)
+    assert DisaggPolicy(max_stall_ms=100).decide(25, 25, idle, True).route == DIRECT
+
+
+def test_pending_accounting_keeps_the_decoders_step_time() -> None:
+    # the router adds requests it routed but the decoder has not reported yet; the stall rule must still see
+    # the decoder's step time on that adjusted view (it once fell back to "unknown" and routed direct)
+    from splitserve.routing import Router
+
+    router = Router("roundrobin", disagg=DisaggPolicy(max_stall_ms=100))
+    views = [WorkerView("d", active_seqs=4, prefill_tokens_per_s=800.0, step_ms=100.0),
+             WorkerView("p", role="prefill", prefill_tokens_per_s=800.0)]
+    from splitserve.routing import RoutingRequest
+
+    first = router.decide(RoutingRequest("r1", "t", list(range(25))), views, 0.0)
+    second = router.decide(RoutingRequest("r2", "t", list(range(1000, 1025))), views, 0.0)
+    assert (first.route, second.route) == (DISAGGREGATED, DISAGGREGATED)
