@@ -32,7 +32,7 @@ from splitserve.client import Client
 from splitserve.stackproc import start_stack
 
 MODES = {
-    "disaggregated": ["--prefill", "1", "--decode", "1"],
+    "disaggregated": ["--prefill", "2", "--decode", "1", "--strategy", "kvaware"],
     "colocated": ["--colocated", "--decode", "1"],
     # vLLM's own scheduler (chunked prefill on, its CPU defaults) serving every prompt itself
     "colocated_vllm": ["--colocated", "--decode", "1", "--engine", "vllm"],

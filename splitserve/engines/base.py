@@ -110,6 +110,11 @@ class KvSource(Protocol):
         """Keys and values of one layer, each [num_kv_heads, num_tokens, head_dim]."""
         ...
 
+    def copy_layer(self, layer: int, keys_out: Tensor, values_out: Tensor) -> None:
+        """Write one layer's keys and values into the given [num_kv_heads, num_tokens, head_dim] views (one
+        strided copy, no temporary)."""
+        ...
+
 
 def materialize(kv: Tensor | KvSource, info: ModelInfo) -> Tensor:
     """The KV as one [L, 2, H, T, D] tensor (for engines that keep whole-sequence tensors)."""

@@ -129,9 +129,12 @@ class DecodeBatch:
             self._relayout(width, len(self.rows) + 1, width + 1)
         row, start = len(self.rows), self.width - length
         for layer in range(self.info.num_layers):
-            k, v = (kv[layer, 0], kv[layer, 1]) if isinstance(kv, Tensor) else kv.layer(layer)
-            self.keys[layer][row, :, start : self.width] = k  # copy_ converts dtype when they differ
-            self.values[layer][row, :, start : self.width] = v
+            k_out, v_out = self.keys[layer][row, :, start : self.width], self.values[layer][row, :, start : self.width]
+            if isinstance(kv, Tensor):
+                k_out.copy_(kv[layer, 0])  # copy_ converts dtype when they differ
+                v_out.copy_(kv[layer, 1])
+            else:
+                kv.copy_layer(layer, k_out, v_out)
         self.rows.append(_Seq(seq_id, length, int(last_token), sampling, zero_from=start))
 
     def remove(self, seq_id: str, keep_kv: bool = True) -> Tensor | None:

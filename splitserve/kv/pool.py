@@ -171,6 +171,15 @@ class BlockKv:
     def __init__(self, pool: BlockPool, block_ids: list[int], num_tokens: int) -> None:
         self.pool, self.block_ids, self._num_tokens = pool, block_ids, num_tokens
         self._idx = torch.tensor(block_ids, dtype=torch.long)
+        # runs of consecutive block ids (the allocator hands out low ids first, so usually one or a few):
+        # each run is a strided view of the pool, copied out with no temporary
+        self._runs: list[tuple[int, int, int]] = []  # (first block id, blocks, first token)
+        for i, b in enumerate(block_ids):
+            if self._runs and self._runs[-1][0] + self._runs[-1][1] == b:
+                first, n, tok = self._runs[-1]
+                self._runs[-1] = (first, n + 1, tok)
+            else:
+                self._runs.append((b, 1, i * pool.layout.block_size))
 
     @property
     def num_tokens(self) -> int:
@@ -183,3 +192,17 @@ class BlockKv:
         kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, lay.num_kv_heads, len(self.block_ids) * lay.block_size,
                                                     lay.head_dim)
         return kv[0, :, : self._num_tokens], kv[1, :, : self._num_tokens]
+
+    def copy_layer(self, layer: int, keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
+        bs = self.pool.layout.block_size
+        lay_t = self.pool.tensor[layer]  # [num_blocks, 2, H, bs, D]
+        for first, n, tok in self._runs:
+            take = min(n * bs, self._num_tokens - tok)  # the last run may end inside its last block
+            full, rest = divmod(take, bs)
+            for part, out in ((0, keys_out), (1, values_out)):
+                if full:
+                    src = lay_t[first : first + full, part].permute(1, 0, 2, 3)  # [H, full, bs, D]
+                    dst = out[:, tok : tok + full * bs].unflatten(1, (full, bs))
+                    dst.copy_(src)
+                if rest:
+                    out[:, tok + full * bs : tok + take] = lay_t[first + full, part, :, :rest]

@@ -196,7 +196,9 @@ def test_scatter_layer_matches_whole_scatter() -> None:
 def test_block_source_reads_what_gather_reads(num_tokens: int, data: st.DataObject) -> None:
     lay = KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=8, dtype=torch.float32)
     pool = BlockPool(lay, 16)
-    ids = data.draw(st.permutations(list(range(16))))[: lay.blocks_for_tokens(num_tokens)]
+    n = lay.blocks_for_tokens(num_tokens)
+    ids = data.draw(st.sampled_from([list(range(n)), list(range(3, 3 + n)),
+                                     data.draw(st.permutations(list(range(16))))[:n]]))
     kv = torch.randn(lay.num_layers, 2, lay.num_kv_heads, num_tokens, lay.head_dim)
     pool.scatter(kv, ids)
     src = pool.source(ids, num_tokens)
@@ -204,6 +206,12 @@ def test_block_source_reads_what_gather_reads(num_tokens: int, data: st.DataObje
     for layer in range(lay.num_layers):
         k, v = src.layer(layer)
         assert torch.equal(k, kv[layer, 0]) and torch.equal(v, kv[layer, 1])
+        # straight into a strided destination (a batch row's columns), block runs and a partial last block
+        dest = torch.zeros(2, lay.num_kv_heads, num_tokens + 5, lay.head_dim)
+        src.copy_layer(layer, dest[0, :, 3 : 3 + num_tokens], dest[1, :, 3 : 3 + num_tokens])
+        assert torch.equal(dest[0, :, 3 : 3 + num_tokens], kv[layer, 0])
+        assert torch.equal(dest[1, :, 3 : 3 + num_tokens], kv[layer, 1])
+        assert not dest[:, :, :3].any() and not dest[:, :, 3 + num_tokens :].any()
     with pytest.raises(ValueError, match="blocks"):
         pool.source(ids[:-1] if len(ids) > 1 else [], num_tokens)
 
