@@ -13,7 +13,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -124,6 +124,45 @@ def materialize(kv: Tensor | KvSource, info: ModelInfo) -> Tensor:
     for layer in range(info.num_layers):
         out[layer, 0], out[layer, 1] = kv.layer(layer)
     return out
+
+
+def prompt_ids(token_ids: Sequence[int], info: ModelInfo, past_kv: Tensor | None) -> tuple[list[int], int]:
+    """A prefill's checked prompt and how many of its leading tokens past_kv covers. At least the last prompt
+    token is always recomputed: its logits give the first new token. Raises PromptTooLong."""
+    ids = [int(t) for t in token_ids]
+    if not ids:
+        raise ValueError("prefill needs at least one prompt token")
+    if len(ids) >= info.max_model_len:
+        raise PromptTooLong(len(ids), info.max_model_len)
+    reused = 0 if past_kv is None else min(check_kv(past_kv, info, "past_kv"), len(ids) - 1)
+    return ids, reused
+
+
+def check_join(num_tokens: int, last_token: int, info: ModelInfo) -> None:
+    """A sequence joining the decode batch: its next token must be in the vocabulary (not an embedding
+    IndexError failing every sequence's step) and leave room for the token its first step produces."""
+    if not 0 <= int(last_token) < info.vocab_size:
+        raise ValueError(f"last_token {last_token} is outside the vocabulary (size {info.vocab_size})")
+    if num_tokens + 1 >= info.max_model_len:
+        raise PromptTooLong(num_tokens + 1, info.max_model_len)
+
+
+class HfTokenizerMixin:
+    """The tokenizer half of the Engine interface, through a Hugging Face tokenizer (hf and mock share it)."""
+
+    tokenizer: Any
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding by default
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
 
 def check_kv(kv: Tensor, info: ModelInfo, what: str = "kv") -> int:

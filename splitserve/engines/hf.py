@@ -22,13 +22,15 @@ from splitserve.engines.attention import row_groups, use_gqa_sdpa
 from splitserve.engines.base import (
     ContextFull,
     Engine,
+    HfTokenizerMixin,
     KvSource,
     LayerHook,
     ModelInfo,
     PrefillResult,
-    PromptTooLong,
     Sampling,
+    check_join,
     check_kv,
+    prompt_ids,
 )
 from splitserve.engines.batch import DecodeBatch
 from splitserve.engines.kvcache import PrefillCache
@@ -62,7 +64,7 @@ def _model_info(model: Any, tokenizer: Any, name: str, max_model_len: int | None
     )
 
 
-class HfEngine(Engine):
+class HfEngine(HfTokenizerMixin, Engine):
     """Engine over an in-memory transformers causal LM and its tokenizer (see `load` for files)."""
 
     def __init__(
@@ -126,18 +128,6 @@ class HfEngine(Engine):
         return engine
 
     # -- tokenizer ------------------------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding by default
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
-
     # -- prefill --------------------------------------------------------------------------------------------
     def prefill(
         self,
@@ -147,13 +137,7 @@ class HfEngine(Engine):
         past_kv: Tensor | None = None,
         on_layer: LayerHook | None = None,
     ) -> PrefillResult:
-        ids = [int(t) for t in token_ids]
-        if not ids:
-            raise ValueError("prefill needs at least one prompt token")
-        if len(ids) >= self.info.max_model_len:
-            raise PromptTooLong(len(ids), self.info.max_model_len)
-        # the last prompt token is always run: its logits give the first new token
-        reused = 0 if past_kv is None else min(check_kv(past_kv, self.info, "past_kv"), len(ids) - 1)
+        ids, reused = prompt_ids(token_ids, self.info, past_kv)
         # allocated outside inference mode so the caller gets an ordinary tensor it may modify
         out = torch.empty(self.info.kv_shape(len(ids)), dtype=self.dtype, device=self.device)
         if past_kv is not None and reused:
@@ -179,12 +163,7 @@ class HfEngine(Engine):
             expected = (self.info.num_kv_heads, num_tokens, self.info.head_dim)
             if tuple(k0.shape) != expected:
                 raise ValueError(f"kv source layers are {tuple(k0.shape)}, the model needs {expected}")
-        if not 0 <= int(last_token) < self.info.vocab_size:
-            # caught here, not as an embedding IndexError that would fail every sequence's step
-            raise ValueError(f"last_token {last_token} is outside the vocabulary (size {self.info.vocab_size})")
-        # kv + last_token must leave room for the token this sequence's first step produces
-        if num_tokens + 1 >= self.info.max_model_len:
-            raise PromptTooLong(num_tokens + 1, self.info.max_model_len)
+        check_join(num_tokens, last_token, self.info)
         if isinstance(kv, Tensor) and (kv.dtype != self.dtype or kv.device != self.device):
             kv = kv.to(dtype=self.dtype, device=self.device)
         self._batch.add(seq_id, kv, last_token, sampling)

@@ -35,14 +35,16 @@ from torch import Tensor
 from splitserve.engines.base import (
     ContextFull,
     Engine,
+    HfTokenizerMixin,
     KvSource,
     LayerHook,
     ModelInfo,
     PrefillResult,
-    PromptTooLong,
     Sampling,
+    check_join,
     check_kv,
     materialize,
+    prompt_ids,
 )
 from splitserve.engines.model_files import resolve_model
 from splitserve.engines.sampling import _splitmix64
@@ -131,7 +133,7 @@ class _Seq:
         return int(self.kv.shape[3]) + len(self.fed)
 
 
-class MockEngine(Engine):
+class MockEngine(HfTokenizerMixin, Engine):
     """Engine with a real tokenizer, fake deterministic tokens, tiny real KV, and sleeps for compute time."""
 
     def __init__(
@@ -220,18 +222,6 @@ class MockEngine(Engine):
         return self.token_range.start + mixed % len(self.token_range)
 
     # -- tokenizer ------------------------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding by default
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
-
     # -- prefill --------------------------------------------------------------------------------------------
     def prefill(
         self,
@@ -241,13 +231,7 @@ class MockEngine(Engine):
         past_kv: Tensor | None = None,
         on_layer: LayerHook | None = None,
     ) -> PrefillResult:
-        ids = [int(t) for t in token_ids]
-        if not ids:
-            raise ValueError("prefill needs at least one prompt token")
-        if len(ids) >= self.info.max_model_len:
-            raise PromptTooLong(len(ids), self.info.max_model_len)
-        # as in hf: the last prompt token is always recomputed (a real engine needs its logits)
-        reused = 0 if past_kv is None else min(check_kv(past_kv, self.info, "past_kv"), len(ids) - 1)
+        ids, reused = prompt_ids(token_ids, self.info, past_kv)
         out = torch.empty(self.info.kv_shape(len(ids)), dtype=self.dtype)
         if past_kv is not None and reused:
             out[:, :, :, :reused] = past_kv[:, :, :, :reused]
@@ -265,10 +249,7 @@ class MockEngine(Engine):
     def add_sequence(self, seq_id: str, kv: Tensor | KvSource, last_token: int, sampling: Sampling) -> None:
         kv = materialize(kv, self.info)
         num_tokens = check_kv(kv, self.info)
-        if not 0 <= int(last_token) < self.info.vocab_size:
-            raise ValueError(f"last_token {last_token} is outside the vocabulary (size {self.info.vocab_size})")
-        if num_tokens + 1 >= self.info.max_model_len:
-            raise PromptTooLong(num_tokens + 1, self.info.max_model_len)
+        check_join(num_tokens, last_token, self.info)
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already active")
         # a copy: decoders hand in views of landing buffers they reuse as soon as this returns
