@@ -491,7 +491,9 @@ class RouterService(Service):
             if rid in self.dropped:
                 await qmsg.ack()
                 return
-            if delivered > 1 and await self._recover(q, qmsg, sp):
+            # Delivered before (its router died), or accepted by another router (or this one before a restart,
+            # which may have ended it while queued): check whether it already ended or still runs.
+            if (delivered > 1 or rid not in self._accepted_meta) and await self._recover(q, qmsg, sp):
                 return
             if req.deadline_ms is not None and now_ms() >= req.deadline_ms:
                 self._accepted_meta.setdefault(rid, (req.tenant, req.stream_subject, len(q.prompt_token_ids)))
@@ -504,8 +506,9 @@ class RouterService(Service):
                 await qmsg.ack()  # answered with a terminal error
 
     async def _recover(self, q: QueuedRequest, qmsg: Msg, sp: trace.Span) -> bool:
-        """A redelivered request (its previous router stopped keeping it): True if handled here (it already
-        finished, or still runs on a worker and is adopted, or failed too often), False to dispatch it again."""
+        """A request this router did not accept, or a redelivered one (its previous router stopped keeping
+        it): True if handled here (it already ended, or still runs on a worker and is adopted, or failed too
+        often), False to dispatch it."""
         req = q.request
         rid = req.request_id
         # A redelivered request is checked against the workers' heartbeats before it is run again: a router
@@ -537,7 +540,7 @@ class RouterService(Service):
                                         "finished dispatching it")
             await qmsg.ack()
             return True
-        self.log.info("redelivered_dispatching_again")
+        self.log.info("recovered_dispatching", deliveries=int(qmsg.metadata.num_delivered))
         self.quota.admit(req.tenant, rid, len(q.prompt_token_ids), req.sampling.max_tokens, now)
         return False
 

@@ -353,3 +353,47 @@ async def test_new_router_adopts_requests_still_running(fresh_nats: NatsServer, 
                     await _drain(it)
     finally:
         stop(router, *procs)
+
+
+async def test_request_cancelled_in_queue_stays_cancelled_across_a_router_restart(fresh_nats: NatsServer,
+                                                                                    tmp_path: Path) -> None:
+    # The cancelled final went out while the request waited; a new router must not run it when it reaches
+    # the head of the queue (the router that saw the cancel is gone, its RequestFinished is in SS_USAGE).
+    url, logs = fresh_nats.url, tmp_path / "logs"  # a server of its own: no other test's router
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(TENANTS)
+    env = dict(__import__("os").environ, SPLITSERVE_MOCK_STEP_MS="100")
+    from splitserve.stackproc import spawn_service as spawn
+
+    router = _spawn_router(url, logs, tenants, "router-c1")
+    dec = spawn("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", "1", nats_url=url,
+                worker_id="decode-c", log_dir=logs, env=env)
+    terminals: Counter[str] = Counter()
+    try:
+        await wait_ready(url, ["router-c1", "decode-c"], timeout=180)
+        watch = await nats.connect(url)
+
+        async def count(msg: object) -> None:
+            m = proto.decode_stream(msg.data)  # type: ignore[attr-defined]
+            if isinstance(m, (StreamFinal, StreamError)) and m.request_id:
+                terminals[m.request_id] += 1
+
+        await watch.subscribe("ss.result.waiting.>", cb=count)
+        async with Client(url, tenant="waiting") as c:
+            busy = [await c.submit("busy", max_tokens=30) for _ in range(3)]  # ~3 s each, one at a time
+            victim = await c.submit("never run me", max_tokens=4)
+            await c.cancel(victim)
+            first = await c.result(victim, wait=10)
+            assert first is not None and first.finish_reason == "cancelled"
+            router.kill()
+            router.wait()
+            router = _spawn_router(url, logs, tenants, "router-c2")
+            await wait_ready(url, ["router-c2"], timeout=180)
+            for rid in busy:
+                assert (r := await c.result(rid, wait=60)) is not None and len(r.token_ids) == 30
+        await asyncio.sleep(4.0)  # past the ack wait
+        await watch.close()
+        assert terminals[victim] == 1
+        assert victim not in (logs / "decode-c.log").read_text()  # never reached a decoder
+    finally:
+        stop(router, dec)
