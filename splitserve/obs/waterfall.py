@@ -15,11 +15,14 @@ from rich.table import Table
 from rich.text import Text
 
 # Attributes worth a column, per span name (everything else is in --json).
+_DECISION = ("prompt_tokens", "decision.strategy", "decision.route", "decision.decoder", "decision.prefiller",
+             "decision.reason", "decision.cached_tokens", "decision.uncached_tokens", "decision.thresholds",
+             "decision.candidates", "error.code")
 _KEY_ATTRS: dict[str, tuple[str, ...]] = {
     "client.generate": ("ttft_ms", "route", "finish_reason", "completion_tokens", "error.code"),
-    "router.request": ("queue_wait_ms", "prompt_tokens", "decision.strategy", "decision.route", "decision.decoder",
-                       "decision.prefiller", "decision.reason", "decision.cached_tokens",
-                       "decision.uncached_tokens", "decision.thresholds", "decision.candidates", "error.code"),
+    # intake (and, with --no-queue, the routing decision), then the durable queue's dispatch with the decision
+    "router.request": ("queued_ahead", "quota.limit", *_DECISION),
+    "router.dispatch": ("queue_wait_ms", "deliveries", "adopted_from", *_DECISION),
     "router.fail": ("error_code", "failed_worker"),
     "prefill.job": ("prompt_tokens", "decoder", "queue_wait_ms"),
     "kv.reserve": ("decoder", "kv.reserve_ms"),

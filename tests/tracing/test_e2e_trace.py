@@ -61,8 +61,8 @@ def test_one_trace_across_every_hop(stack: StackProc) -> None:
             return res.request_id
 
     rid = asyncio.run(go())
-    want = {"client.generate", "router.request", "prefill.job", "prefill.compute", "kv.push", "decode.admit",
-            "decode.stream"}
+    want = {"client.generate", "router.request", "router.dispatch", "prefill.job", "prefill.compute", "kv.push",
+            "decode.admit", "decode.stream"}
     spans = _spans(stack, rid, want)
     names = {s["name"] for s in spans}
     assert want <= names, names
@@ -71,7 +71,11 @@ def test_one_trace_across_every_hop(stack: StackProc) -> None:
     by = {s["name"]: s for s in spans}
     ids = {s["span_id"] for s in spans}
     assert all(s["parent_id"] in ids for s in spans if s["name"] != "client.generate")  # one connected tree
-    r = by["router.request"]["attributes"]
+    # intake stored the request in the durable queue; dispatch (a child of intake) made the routing decision
+    assert by["router.dispatch"]["parent_id"] == by["router.request"]["span_id"]
+    assert by["router.request"]["attributes"]["prompt_tokens"] > 32
+    r = by["router.dispatch"]["attributes"]
+    assert "queue_wait_ms" in r
     assert r["decision.route"] == "disaggregated" and r["decision.strategy"] and "decision.candidates" in r
     assert json.loads(r["decision_json"])["request_id"] == rid
     assert "decision.thresholds" in r and r["prompt_tokens"] > 32
@@ -89,7 +93,8 @@ def test_one_trace_across_every_hop(stack: StackProc) -> None:
 
     cp = _trace(stack, rid)
     assert cp.returncode == 0, cp.stderr
-    for text in ("router.request", "kv.push", "decode.stream", "decision.strategy=", "kv.bytes="):
+    for text in ("router.request", "router.dispatch", "kv.push", "decode.stream", "decision.strategy=",
+                 "kv.bytes="):
         assert text in cp.stdout, cp.stdout
     cp = _trace(stack, "--slowest", "3")
     assert cp.returncode == 0 and rid in cp.stdout, cp.stdout + cp.stderr
