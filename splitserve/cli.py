@@ -381,10 +381,11 @@ def _queues_table(rep: Any) -> Any:
     from rich.table import Table
 
     t = Table(title=f"queues @ {rep.router_id}  (free decode slots {rep.capacity}, running {rep.running}; "
-                    "rates over 10 s)")
-    for col in ("tenant", "weight", "queued", "by class", "running", "in flight", "oldest wait s", "accepted/s",
-                "dispatched/s", "refused/s", "served tokens", "tokens last min"):
-        t.add_column(col, justify="left" if col in ("tenant", "by class") else "right")
+                    "rates over 10 s)", title_justify="left")
+    # short headers: the table fits an 80-column terminal (--json has the long names)
+    for col in ("tenant", "w", "queued", "classes", "run", "inflight", "oldest s", "acc/s", "disp/s", "ref/s",
+                "served tok", "tok/min"):
+        t.add_column(col, justify="left" if col in ("tenant", "classes") else "right")
     for r in rep.tenants:
         by = " ".join(f"{k}:{v}" for k, v in r.queued_by_class.items() if v) or "-"
         wait = "-" if r.oldest_wait_ms is None else f"{r.oldest_wait_ms / 1000:.1f}"
