@@ -412,13 +412,26 @@ class RouterService(Service):
             await self._reject(req, msg, ErrorCode.BUSY, f"the request queue did not take the request: {exc}",
                                retry_after_s=1.0)
             return
+        if not fresh:
+            # The queue already holds (or held) this request id: a re-send, to another router or after a
+            # restart. Still queued or running: accepted again, it streams on the same subject. Already ended:
+            # running it again would serve it twice, so say so.
+            done = await self.wq.finished_record(req.tenant, req.request_id)
+            if done is not None:
+                await self._reject(req, msg, ErrorCode.BAD_REQUEST,
+                                   f"request {req.request_id} already ended ({done.status}); use a new request id")
+                return
+            log.info("duplicate_request_reattached")
+            await self.b.respond(msg, Accepted(request_id=req.request_id, router_id=self.worker_id,
+                                               prompt_tokens=len(ids)))
+            return
         self.quota.admit(req.tenant, req.request_id, len(ids), req.sampling.max_tokens, now)
         self._accepted_meta[req.request_id] = (req.tenant, req.stream_subject, len(ids))
         if req.deadline_ms is not None:
             heapq.heappush(self._deadlines, (req.deadline_ms, req.tenant, req.request_id))
         self._rate(req.tenant, "accepted").add(now)
-        tracing.set_attrs(sp, prompt_tokens=len(ids), queued_ahead=queued, duplicate=not fresh)
-        log.info("queued", prompt_tokens=len(ids), queued_ahead=queued, duplicate=not fresh)
+        tracing.set_attrs(sp, prompt_tokens=len(ids), queued_ahead=queued)
+        log.info("queued", prompt_tokens=len(ids), queued_ahead=queued)
         await self.b.respond(msg, Accepted(request_id=req.request_id, router_id=self.worker_id,
                                            prompt_tokens=len(ids)))
         self._dispatch_wake.set()

@@ -397,3 +397,13 @@ async def test_request_cancelled_in_queue_stays_cancelled_across_a_router_restar
         assert victim not in (logs / "decode-c.log").read_text()  # never reached a decoder
     finally:
         stop(router, dec)
+
+
+async def test_resending_a_finished_request_id_is_refused_not_rerun(stack: tuple[str, Path, Path]) -> None:
+    url, _, _ = stack
+    async with Client(url, tenant="light") as c:
+        done = await c.complete("once only", max_tokens=3, request_id="fixed-id-1")
+        assert len(done.token_ids) == 3
+        await asyncio.sleep(0.5)  # its RequestFinished reaches SS_USAGE
+        with pytest.raises(errors.BadRequest, match="already ended"):
+            await c.complete("once only", max_tokens=3, request_id="fixed-id-1")
