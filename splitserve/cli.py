@@ -239,7 +239,6 @@ def top(
     as_json: bool = typer.Option(False, "--json", help="with --once: print the snapshot as JSON"),
 ) -> None:
     """Live cluster view: workers with their load and cache, queues, per-tenant rates."""
-    import nats as nats_client
     from rich.console import Console
     from rich.live import Live
 
@@ -261,12 +260,7 @@ def top(
             pass
 
     async def go() -> None:
-        try:
-            user, password = _operator_creds(url)
-            nc = await nats_client.connect(url, connect_timeout=3, max_reconnect_attempts=0, user=user,
-                                           password=password)
-        except Exception as exc:
-            raise errors.Unavailable(f"cannot connect to NATS at {url}: {exc}") from None
+        nc = await _operator_nc(url)
         await nc.subscribe(proto.Subjects.HEARTBEAT_ALL, cb=feed)
         await nc.subscribe(proto.Subjects.FINISHED_ALL, cb=feed)
         try:
@@ -285,13 +279,7 @@ def top(
         finally:
             await nc.close()
 
-    try:
-        asyncio.run(go())
-    except KeyboardInterrupt:
-        pass
-    except errors.SplitserveError as exc:
-        typer.echo(f"error {exc}", err=True)
-        raise typer.Exit(2) from None
+    _run_operator(go())
 
 
 def _top_table(snap: dict, url: str):  # type: ignore[no-untyped-def, type-arg]

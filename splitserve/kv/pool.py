@@ -141,22 +141,20 @@ class BlockPool:
     def source(self, block_ids: Sequence[int], num_tokens: int) -> BlockKv:
         """The KV in these blocks, for an engine to read layer by layer (see ``engines.KvSource``); valid
         until the blocks are freed."""
-        lay = self.layout
-        if lay.blocks_for_tokens(num_tokens) != len(block_ids):
-            raise ValueError(
-                f"{num_tokens} tokens need {lay.blocks_for_tokens(num_tokens)} blocks, got {len(block_ids)}"
-            )
-        self.check_block_ids(block_ids)
+        self._check_span(block_ids, num_tokens)
         return BlockKv(self, list(block_ids), num_tokens)
+
+    def _check_span(self, block_ids: Sequence[int], num_tokens: int) -> None:
+        """The blocks exist, are allocated, and are exactly as many as num_tokens needs."""
+        need = self.layout.blocks_for_tokens(num_tokens)
+        if need != len(block_ids):
+            raise ValueError(f"{num_tokens} tokens need {need} blocks, got {len(block_ids)}")
+        self.check_block_ids(block_ids)
 
     def gather(self, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
         """Read ``num_tokens`` of KV out of ``block_ids`` as a fresh ``[L, 2, H, T, D]`` tensor."""
         lay = self.layout
-        if lay.blocks_for_tokens(num_tokens) != len(block_ids):
-            raise ValueError(
-                f"{num_tokens} tokens need {lay.blocks_for_tokens(num_tokens)} blocks, got {len(block_ids)}"
-            )
-        self.check_block_ids(block_ids)
+        self._check_span(block_ids, num_tokens)
         n = len(block_ids)
         blocks = self.tensor.index_select(1, torch.tensor(list(block_ids), dtype=torch.long))
         kv = blocks.permute(0, 2, 3, 1, 4, 5).reshape(
