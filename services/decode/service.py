@@ -107,10 +107,12 @@ class DecodeService(Service):
         l1_tokens: int = 0,
         prefill_chunk: int = 256,
         max_retire_copy_tokens: int = 1024,
+        pool: str = "general",
         **kw: Any,
     ) -> None:
         super().__init__(worker_id, nats_url, **kw)
         self.opts = opts
+        self.pool_name = pool  # context pool: "long" decoders take the long prompts
         self.prefill_chunk = prefill_chunk
         self.max_retire_copy_tokens = max_retire_copy_tokens
         self.step_ms: float | None = None  # EWMA of decode step time
@@ -187,10 +189,10 @@ class DecodeService(Service):
 
     def heartbeat_extra(self) -> dict[str, Any]:
         if not hasattr(self, "engine"):
-            return {"engine": self.opts.engine, "transport": self.opts.transport}
+            return {"engine": self.opts.engine, "transport": self.opts.transport, "pool": self.pool_name}
         return {"engine": self.opts.engine, "model": self.engine.info.name,
                 "max_model_len": self.engine.info.max_model_len, "transport": self.opts.transport,
-                "block_size": self.opts.block_size}
+                "block_size": self.opts.block_size, "pool": self.pool_name}
 
     # --- inputs ---------------------------------------------------------------------------------------
     async def on_job(self, job: DecodeJob, msg: Msg) -> None:
@@ -383,18 +385,21 @@ class DecodeService(Service):
             m = await self.thread.run(self.store.match, ids)
             if m.num_tokens:
                 past, cached = m.kv, m.num_tokens
-        pos, compute_s = cached, 0.0
+        pos, compute_s, chunks = cached, 0.0, 0
         while True:
             chunked = bool(self.active) and self.prefill_chunk > 0
             end = min(len(ids), pos + self.prefill_chunk) if chunked else len(ids)
             t0 = time.perf_counter()
             res = await self.thread.run(self.engine.prefill, ids[:end], sampling, past_kv=past)
             compute_s += time.perf_counter() - t0
+            chunks += 1
             if end >= len(ids):
                 break
             past, pos = res.kv, end
             await self._step()
         computed = len(ids) - cached
+        self.log.info("local_prefill", tokens=len(ids), cached_tokens=cached, chunks=chunks,
+                      compute_ms=round(compute_s * 1000, 1), streams=len(self.active))
         if computed >= 64 and compute_s > 0:  # tiny prompts say more about overhead than speed
             rate = computed / compute_s
             self.prefill_tps = rate if self.prefill_tps is None else 0.7 * self.prefill_tps + 0.3 * rate

@@ -19,7 +19,9 @@ def main(
     no_worker_wait_s: float = typer.Option(5.0),
     max_stall_ms: float = typer.Option(100.0, help="most a direct prefill may pause a decoder's active streams "
                                        "(<= 0: no limit)"),
-    decoder_prefill_tps: float = typer.Option(800.0, help="assumed decoder prefill speed until it reports one"),
+    # 400: what one fp32 core does with the bundled model on short prompts (measured 18-token prefills paused
+    # streams ~130 ms; with 800 the rule estimated ~95 ms and let them stall a decoder's streams)
+    decoder_prefill_tps: float = typer.Option(400.0, help="assumed decoder prefill speed until it reports one"),
     tenants: str | None = typer.Option(None, "--tenants", help="tenants file (weights, quotas); without it any "
                                        "tenant is served with no limits"),
     queue: bool = typer.Option(True, "--queue/--no-queue", help="accepted requests wait in the durable JetStream "
@@ -27,6 +29,8 @@ def main(
                                "at once, no durability; for comparison)"),
     queue_ack_wait_s: float = typer.Option(30.0, help="a dispatched request's queue message is redelivered this "
                                            "long after its router stops keeping it alive"),
+    long_prompt_tokens: int = typer.Option(2048, help="prompts this long decode on the 'long' context pool "
+                                           "when one is running (decoders started with --pool long)"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     from services.router.service import RouterService
@@ -35,7 +39,8 @@ def main(
                               disagg_threshold=disagg_threshold, no_worker_wait_s=no_worker_wait_s,
                               max_stall_ms=max_stall_ms if max_stall_ms > 0 else None,
                               decoder_prefill_tps=decoder_prefill_tps, tenants_file=tenants, queue=queue,
-                              queue_ack_wait_s=queue_ack_wait_s, log_level=log_level))
+                              queue_ack_wait_s=queue_ack_wait_s, long_prompt_tokens=long_prompt_tokens,
+                              log_level=log_level))
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ from services.router.workqueue import WorkQueue
 from splitserve.cache import events as cache_events
 from splitserve.cache.index import PrefixIndex
 from splitserve.obs import tracing
-from splitserve.routing import DisaggPolicy, NoWorkers, Router, RoutingRequest, WorkerView
+from splitserve.routing import ContextPools, DisaggPolicy, NoWorkers, Router, RoutingRequest, WorkerView
 from splitserve.runtime.bus import PayloadTooLarge
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
@@ -119,10 +119,11 @@ class RouterService(Service):
         max_inflight: int = 1024,
         max_stall_ms: float | None = 100.0,
         results_ttl_s: float = 86400.0,
-        decoder_prefill_tps: float = 800.0,
+        decoder_prefill_tps: float = 400.0,
         tenants_file: str | None = None,
         queue: bool = True,
         queue_ack_wait_s: float = 30.0,
+        long_prompt_tokens: int = 2048,
         **kw: object,
     ) -> None:
         super().__init__(worker_id, nats_url, **kw)  # type: ignore[arg-type]
@@ -133,6 +134,7 @@ class RouterService(Service):
         # Direct prefill on a decoder pauses its other streams: above this pause, use a prefiller instead.
         self.disagg = DisaggPolicy(min_uncached_tokens=disagg_threshold, max_stall_ms=max_stall_ms,
                                    decoder_prefill_tokens_per_s=decoder_prefill_tps)
+        self.context = ContextPools(long_prompt_tokens=long_prompt_tokens)
         self.no_worker_wait_s = no_worker_wait_s
         self.max_inflight = max_inflight
         self.registry = WorkerRegistry()
@@ -171,7 +173,8 @@ class RouterService(Service):
         # The router always keeps an in-process replica of the cache index, fed by the workers' own KV
         # events: kvaware routes on it, and every strategy's disaggregation rule counts *uncached* tokens.
         self.index = PrefixIndex()
-        self.policy = Router(strategy=self.strategy_name, disagg=self.disagg, index=self.index)
+        self.policy = Router(strategy=self.strategy_name, disagg=self.disagg, index=self.index,
+                             context=self.context)
 
     async def start(self) -> None:
         self._started = time.monotonic()
@@ -203,13 +206,14 @@ class RouterService(Service):
     # --- heartbeats and failure detection ------------------------------------------------------------
     async def on_heartbeat(self, hb: Heartbeat, _: Msg) -> None:
         self.registry.observe(hb, time.monotonic())
-        if hb.role == "decode":
-            # A request handed from prefiller to decoder now belongs to the decoder.
+        if hb.role in ("decode", "prefill"):
             for rid in hb.active_requests:
                 inf = self.inflight.get(rid)
-                if inf is not None and inf.decoder == hb.worker_id:
-                    inf.holder = hb.worker_id
-                    self.policy.release(rid)  # the decoder's own load report now counts it
+                if inf is None:
+                    continue
+                if hb.role == "decode" and inf.decoder == hb.worker_id:
+                    inf.holder = hb.worker_id  # a request handed from prefiller to decoder is the decoder's now
+                self.policy.release(rid, hb.worker_id)  # this worker's own load report now counts it
         self._worker_change.set()
 
     async def on_kv_events(self, batch: KvEventBatch, _: Msg) -> None:
@@ -447,7 +451,10 @@ class RouterService(Service):
         for hb in self.registry.live("decode", now):
             cap = hb.load.max_seqs or DEFAULT_DECODER_SLOTS
             used = max(mine.get(hb.worker_id, 0), hb.load.active_seqs + hb.load.queued_requests)
-            free += max(0, cap + max(1, cap // 4) - used)
+            slots = max(0, cap + max(1, cap // 4) - used)
+            # A long-context decoder only takes long prompts: counting all its slots would pull short
+            # requests off the fair queue for the general decoders to hold. One slot lets a long one through.
+            free += min(slots, 1) if hb.pool == "long" else slots
         return free
 
     async def _dispatch_loop(self) -> None:
@@ -669,5 +676,5 @@ class RouterService(Service):
             active_seqs=hb.load.active_seqs, queued_prefill_tokens=hb.load.queued_prefill_tokens,
             free_blocks=hb.load.free_blocks, total_blocks=hb.load.total_blocks,
             used_blocks=hb.load.used_blocks, prefill_tokens_per_s=hb.load.prefill_tokens_per_s,
-            step_ms=hb.load.step_ms,
+            step_ms=hb.load.step_ms, pool=hb.pool,
         )

@@ -18,6 +18,7 @@ from splitserve.routing.base import (
     Strategy,
     WorkerView,
 )
+from splitserve.routing.context import ContextPools
 from splitserve.routing.cost import CostConfig, CostModel
 from splitserve.routing.disagg import DisaggPolicy, RouteChoice
 from splitserve.routing.kvaware import KvAwareStrategy
@@ -34,6 +35,7 @@ __all__ = [
     "DISAGGREGATED",
     "PREFILL",
     "Candidate",
+    "ContextPools",
     "CostConfig",
     "CostModel",
     "Decision",

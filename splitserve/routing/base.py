@@ -101,7 +101,8 @@ class WorkerView:
     ``used_blocks`` is the KV held by its active sequences (the decode load); ``free_blocks`` /
     ``total_blocks`` its KV pool (0 = unknown); ``prefill_tokens_per_s`` a measured or configured prefill
     rate (None = unknown), used to compare heterogeneous workers and for the disaggregation stall rule;
-    ``step_ms`` a decoder's recent decode step time, the fixed cost any local prefill adds to its streams.
+    ``step_ms`` a decoder's recent decode step time, the fixed cost any local prefill adds to its streams;
+    ``pool`` its context pool (long prompts decode on ``long`` decoders when there are any).
     """
 
     worker_id: str
@@ -115,6 +116,7 @@ class WorkerView:
     used_blocks: int = 0
     prefill_tokens_per_s: float | None = None
     step_ms: float | None = None  # a decoder's recent decode step time (None = unknown)
+    pool: str = "general"  # a decoder's context pool: "general" or "long" (see splitserve.routing.context)
 
     @property
     def load(self) -> int:

@@ -4,7 +4,8 @@ Worker views come from heartbeats (every ~500 ms). Between two heartbeats every 
 same loads, so a burst of similar requests would all pick the same "cheapest" worker (herding). The
 router therefore remembers what it just sent - one sequence, its prefill tokens and its KV blocks per
 worker - and overlays that on the views it decides with, until the worker's own report can be trusted to
-include it: ``release(request_id)`` when a heartbeat lists the request (or it finished), or ``ttl_s``
+include it: ``release(request_id, worker)`` when that worker's heartbeat lists the request (or it finished),
+or ``ttl_s``
 after dispatch at the latest. Dynamo's router keeps a similar predicted-load book for the same reason.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from splitserve.routing.base import WorkerView
 
@@ -64,10 +65,20 @@ class PendingLoad:
         if acc[0] <= 0:
             del self._per_worker[e.worker_id]
 
-    def release(self, request_id: str) -> None:
-        """The worker's own reports now include this request (or it is over)."""
-        for e in self._by_request.pop(request_id, ()):
-            self._drop(e)
+    def release(self, request_id: str, worker_id: str | None = None) -> None:
+        """``worker_id``'s own reports now include this request (None: every worker's, or it is over).
+
+        Per worker, because a disaggregated request is pending on two: the decoder lists it (its KV
+        reservation) long before the prefiller's next report shows the prefill, and releasing both on the
+        decoder's report made a prefiller busy with a 3,000-token prompt look idle to the next short one."""
+        entries = self._by_request.get(request_id)
+        if not entries:
+            return
+        for e in entries:
+            if worker_id is None or e.worker_id == worker_id:
+                self._drop(e)
+        if all(not e.live for e in entries):
+            del self._by_request[request_id]
 
     def forget_worker(self, worker_id: str) -> None:
         for e in self._queue:
@@ -99,16 +110,6 @@ class PendingLoad:
 
 
 def _plus(v: WorkerView, acc: list[int]) -> WorkerView:
-    return WorkerView(
-        v.worker_id,
-        v.role,
-        v.live,
-        v.active_seqs + acc[0],
-        v.queued_requests,
-        v.queued_prefill_tokens + acc[1],
-        max(0, v.free_blocks - acc[2]),
-        v.total_blocks,
-        v.used_blocks + acc[2],
-        v.prefill_tokens_per_s,
-        v.step_ms,
-    )
+    # replace(), not a constructor call: every other field (step time, context pool...) is kept as reported
+    return replace(v, active_seqs=v.active_seqs + acc[0], queued_prefill_tokens=v.queued_prefill_tokens + acc[1],
+                   free_blocks=max(0, v.free_blocks - acc[2]), used_blocks=v.used_blocks + acc[2])

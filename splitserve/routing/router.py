@@ -3,7 +3,8 @@
 This module owns the order of a decision, which every caller (the live router service, the benchmarks, the
 simulator) shares:
 
-1. split the live workers into the decode and prefill pools (separate pools, never mixed);
+1. split the live workers into the decode and prefill pools (separate pools, never mixed); a long prompt
+   decodes on the ``long`` context pool when there is one (:mod:`.context`);
 2. choose the decoder with the strategy (its cache affinity + the shared load-aware cost);
 3. decide the route with :class:`DisaggPolicy` on the *uncached* tokens of that decoder;
 4. if disaggregated, choose the prefiller from the prefill pool with the same strategy and cost (prefillers
@@ -34,6 +35,7 @@ from splitserve.routing.base import (
     Strategy,
     WorkerView,
 )
+from splitserve.routing.context import GENERAL, ContextPools
 from splitserve.routing.disagg import DisaggPolicy, RouteChoice
 from splitserve.routing.kvaware import KvAwareStrategy
 from splitserve.routing.pending import PendingLoad
@@ -52,7 +54,8 @@ class Router:
     already holds. A ``kvaware`` router without an ``index`` creates one (``router.index``): feed it with
     :meth:`apply_events`. ``disagg_threshold`` is shorthand for ``DisaggPolicy(min_uncached_tokens=...)``.
     ``pending_ttl_s``: how long a dispatched request counts on top of its workers' reported load (None:
-    trust the views as given); call :meth:`release` once a heartbeat lists the request.
+    trust the views as given); call :meth:`release` once a heartbeat lists the request. ``context``: which
+    decoders a request may use by prompt length (only matters when some decoders are a ``long`` pool).
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class Router:
         observe: bool = True,
         require_prefiller: bool = False,
         pending_ttl_s: float | None = 1.0,
+        context: ContextPools | None = None,
         **strategy_cfg: Any,
     ) -> None:
         if block_size <= 0:
@@ -100,6 +104,7 @@ class Router:
         self.observe = observe
         self.require_prefiller = require_prefiller
         self.pending = PendingLoad(pending_ttl_s) if pending_ttl_s else None
+        self.context = context or ContextPools()
 
     @property
     def strategy_name(self) -> str:
@@ -115,6 +120,7 @@ class Router:
             raise NoWorkers(DECODE, f"{len(prefillers)} prefill workers live")
         bs = self.block_size
         prompt = request.num_prompt_tokens()
+        decoders, context_pool = self.context.candidates(prompt, decoders)
 
         dsel = self.strategy.select(request, decoders, DECODE, now, bs)
         chosen = dsel.chosen
@@ -156,7 +162,8 @@ class Router:
             prefill_candidates=psel.candidates if psel else [],
             thresholds=rc.values,
             now=now,
-            detail={**dsel.detail, **({"prefill": psel.detail} if psel and psel.detail else {})},
+            detail={**dsel.detail, **({"prefill": psel.detail} if psel and psel.detail else {}),
+                    **({"context_pool": context_pool} if context_pool != GENERAL else {})},
         )
         if self.observe:
             self.on_routed(request, decision, now)
@@ -175,10 +182,10 @@ class Router:
             if decision.prefiller is not None:
                 self.pending.add(decision.prefiller, rid, decision.uncached_tokens, 0, now)
 
-    def release(self, request_id: str) -> None:
-        """The workers' heartbeats now include this request (or it finished): stop adding it on top."""
+    def release(self, request_id: str, worker_id: str | None = None) -> None:
+        """``worker_id``'s heartbeat now includes this request (None: it finished): stop adding it on top."""
         if self.pending is not None:
-            self.pending.release(request_id)
+            self.pending.release(request_id, worker_id)
 
     # ------------------------------------------------------------------------------------------ upkeep
     def apply_events(self, batch: KvEventBatch) -> bool:
@@ -203,4 +210,5 @@ class Router:
             "prefill_strategy": self.prefill_strategy.name,
             "block_size": self.block_size,
             "disagg": self.disagg.describe(),
+            "long_prompt_tokens": self.context.long_prompt_tokens,
         }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import time
@@ -59,6 +60,18 @@ class Service:
         return {}
 
     # --- mechanism ---------------------------------------------------------------------------------
+    _gc_started = 0.0
+
+    def _gc_watch(self, phase: str, info: dict[str, Any]) -> None:
+        """Log garbage-collector pauses long enough to show in a token stream (any thread may trigger one)."""
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+            return
+        ms = (time.perf_counter() - self._gc_started) * 1000
+        if ms >= 20.0:
+            self.log.warning("gc_pause", ms=round(ms, 1), generation=info.get("generation"),
+                             collected=info.get("collected"))
+
     @property
     def b(self) -> Bus:
         assert self.bus is not None, "service not connected"
@@ -104,6 +117,12 @@ class Service:
         try:
             t0 = time.perf_counter()
             await self.setup()
+            # Everything loaded so far (torch, transformers, the model's modules: ~430k objects in a worker)
+            # lives as long as the process. Left to the collector, every full collection walked all of it:
+            # ~165 ms with the engine's thread stopped, i.e. a stall in every stream of a decoder.
+            gc.collect()
+            gc.freeze()
+            gc.callbacks.append(self._gc_watch)
             await self.start()
             self._state = "ready"
             await self._heartbeat()

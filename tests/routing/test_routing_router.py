@@ -230,6 +230,24 @@ def test_pending_load_counts_prefill_on_the_prefiller() -> None:
     assert router.pending.pending_for("p0") == (0, 0, 0)
 
 
+def test_pending_release_is_per_worker() -> None:
+    # The decoder's heartbeat (its KV reservation) lists a disaggregated request long before the prefiller's
+    # next one shows the prefill: releasing both then made a busy prefiller look idle to the next request.
+    router = Router("kvaware", disagg_threshold=100)
+    d = router.decide(RoutingRequest("long", token_ids=tokens(1, 3000)), pool(1, 2), 0.0)
+    busy = d.prefiller
+    assert busy is not None and router.pending is not None
+    router.release("long", "d0")
+    assert router.pending.pending_for(busy) == (1, 3000, 0)
+    assert router.pending.pending_for("d0") == (0, 0, 0)
+    for i in range(3):
+        nxt = router.decide(RoutingRequest(f"s{i}", token_ids=tokens(2 + i, 200)), pool(1, 2), 0.1)
+        assert nxt.prefiller != busy, nxt.prefill_candidates
+    router.release("long", busy)
+    assert router.pending.pending_for(busy) == (0, 0, 0)
+    assert len(router.pending) == 3
+
+
 def test_pending_load_book() -> None:
     from splitserve.routing import PendingLoad
 

@@ -22,9 +22,14 @@ def test_parse_cpus(spec: str | None, want: tuple[int, ...] | None) -> None:
 
 
 def _pools(cores: list[int], **cfg: object) -> dict[str, list[int]]:
-    stack = Stack(StackConfig(state_dir=Path("/tmp/unused"), **cfg))  # type: ignore[arg-type]
+    return _stack(cores, **cfg).pools
+
+
+def _stack(cores: list[int], **cfg: object) -> Stack:
     with mock.patch("os.sched_getaffinity", return_value=set(cores)):
-        return stack._cpu_pools()
+        stack = Stack(StackConfig(state_dir=Path("/tmp/unused"), **cfg))  # type: ignore[arg-type]
+    stack.nats_url = "nats://127.0.0.1:4222"
+    return stack
 
 
 def test_default_pools_are_disjoint_halves() -> None:
@@ -40,13 +45,37 @@ def test_colocated_and_explicit_pools() -> None:
 
 
 def test_worker_children_get_their_pool_and_thread_count() -> None:
-    stack = Stack(StackConfig(state_dir=Path("/tmp/unused"), prefill=1, decode=2))
-    stack.nats_url = "nats://127.0.0.1:4222"
-    with mock.patch("os.sched_getaffinity", return_value={0, 1, 2, 3}):
-        kids = {c.name: c.argv for c in stack._children()}
+    stack = _stack([0, 1, 2, 3], prefill=1, decode=2)
+    kids = {c.name: c.argv for c in stack._children()}
     pre, dec = kids["prefill-0"], kids["decode-1"]
     assert pre[pre.index("--cpus") + 1] == "0,1" and pre[pre.index("--threads") + 1] == "2"
-    assert dec[dec.index("--cpus") + 1] == "2,3" and dec[dec.index("--threads") + 1] == "1"
+    # replicas of a pool get a slice of its cores each: they never compete for one
+    assert _arg(kids["decode-0"], "--cpus") == "2" and _arg(dec, "--cpus") == "3"
+    assert _arg(dec, "--threads") == "1"
+
+
+def _arg(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_long_context_decoders_share_the_prefill_cores_by_default() -> None:
+    stack = _stack([0, 1], prefill=2, decode=1, long_decode=1, long_prompt_tokens=1500)
+    kids = {c.name: c.argv for c in stack._children()}
+    # more workers than cores: they share the pool's core, one thread each
+    assert [_arg(kids[n], "--cpus") for n in ("prefill-0", "prefill-1")] == ["0", "0"]
+    assert _arg(kids["prefill-1"], "--threads") == "1"
+    assert _arg(kids["decode-0"], "--cpus") == "1"
+    long = kids["decode-long-0"]
+    assert _arg(long, "--pool") == "long" and _arg(long, "--cpus") == "0"
+    assert _arg(kids["router-0"], "--long-prompt-tokens") == "1500"
+    assert "--pool" not in kids["decode-0"]
+    stack = _stack([0, 1, 2, 3], prefill=1, decode=1, long_decode=1, long_decode_cpus="3", decode_cpus="1-2")
+    kids = {c.name: c.argv for c in stack._children()}
+    assert _arg(kids["decode-long-0"], "--cpus") == "3"
+    colocated = _stack([0, 1], colocated=True, decode=2)
+    assert colocated.pools == {"decode": [0, 1]}
+    kids = {c.name: c.argv for c in colocated._children()}
+    assert [_arg(kids[n], "--cpus") for n in ("decode-0", "decode-1")] == ["0", "1"]
 
 
 def _hb(seq: int, state: str = "ready", pid: int = 10) -> Heartbeat:
