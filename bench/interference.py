@@ -20,7 +20,9 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import os
 import random
+import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -81,7 +83,40 @@ async def _short_stream(c: Client, i: int, stop: asyncio.Event, windows: list[Wi
             last = now
 
 
-async def _scenario(url: str, args: argparse.Namespace) -> dict[str, Any]:
+def _service_pids(output: list[str]) -> dict[str, int]:
+    """Each service's pid, from ``splitserve up``'s readiness lines, plus this load generator's."""
+    pids = {"client": os.getpid()}
+    for line in output:
+        m = re.match(r"\s+(\S+)\s+ready\s.*?pid (\d+)", line)
+        if m:
+            pids[m.group(1)] = int(m.group(2))
+    return pids
+
+
+def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU time (user + system, all threads) each process has used so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
+async def _cpu_probe(pids: dict[str, int], times: list[float], into: list[dict[str, float]]) -> None:
+    for t in times:
+        await asyncio.sleep(max(0.0, t - time.perf_counter()))
+        into.append(_cpu_seconds(pids))
+
+
+def _cpu_use(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: round(b[k] - a[k], 2) for k in b if k in a}
+
+
+async def _scenario(url: str, args: argparse.Namespace, pids: dict[str, int]) -> dict[str, Any]:
     rng = random.Random(11)
     async with Client(url, tenant="bench", idle_timeout=600) as c:
         # Warm up both paths once (first-use allocations) before measuring.
@@ -92,6 +127,9 @@ async def _scenario(url: str, args: argparse.Namespace) -> dict[str, Any]:
         base = Window(start=now + ramp, end=now + ramp + args.baseline_s)
         loaded = Window(start=base.end, end=base.end + args.every * args.longs)
         stop = asyncio.Event()
+        # CPU seconds per process in each window: where each core's time went
+        cpu: list[dict[str, float]] = []
+        probe = asyncio.create_task(_cpu_probe(pids, [base.start, base.end, loaded.end], cpu))
         streams = [asyncio.create_task(_short_stream(c, i, stop, [base, loaded], args.short_tokens))
                    for i in range(args.streams)]
         long_ttft: list[float] = []
@@ -107,8 +145,9 @@ async def _scenario(url: str, args: argparse.Namespace) -> dict[str, Any]:
             long_timings.append(r.timings.model_dump())
         await asyncio.sleep(max(0.0, loaded.end - time.perf_counter()))
         stop.set()
-        await asyncio.gather(*streams)
-    return {"baseline": base.report(), "with_long_prompts": loaded.report(),
+        await asyncio.gather(*streams, probe)
+    return {"baseline": {**base.report(), "cpu_s": _cpu_use(cpu[0], cpu[1])},
+            "with_long_prompts": {**loaded.report(), "cpu_s": _cpu_use(cpu[1], cpu[2])},
             "long_ttft_ms": summary(long_ttft), "long_routes": long_route, "long_timings": long_timings}
 
 
@@ -116,7 +155,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     state = Path(tempfile.mkdtemp(prefix=f"bench-interf-{mode}-"))
     stack = start_stack(state, *MODES[mode], "--transport", args.transport)
     try:
-        return asyncio.run(_scenario(stack.nats_url, args))
+        return asyncio.run(_scenario(stack.nats_url, args, _service_pids(stack.output)))
     finally:
         stack.stop()
 
@@ -158,6 +197,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"{fmt(i['max'], ''):>10}{fmt(t['p50'], ''):>10}{fmt(t['p99'], ''):>10}{w['tokens_per_s']:>8.1f}")
         lt = r["long_ttft_ms"]
         print(f"{'':<15}long prompts TTFT p50 {fmt(lt['p50'])}, max {fmt(lt['max'])}; routes {r['long_routes']}")
+        for wname in ("baseline", "with_long_prompts"):
+            w = r[wname]
+            busy = ", ".join(f"{k} {v:.1f}" for k, v in sorted(w["cpu_s"].items(), key=lambda kv: -kv[1]) if v >= 0.1)
+            print(f"{'':<15}CPU s in {wname} ({w['seconds']:.0f} s): {busy}")
         b, w = r["baseline"]["itl_ms"], r["with_long_prompts"]["itl_ms"]
         if b["p99"] and w["p99"] and b["max"] and w["max"]:
             print(f"{'':<15}ITL p99 ratio {w['p99'] / b['p99']:.2f}x, max ratio {w['max'] / b['max']:.2f}x "
