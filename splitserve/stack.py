@@ -89,7 +89,19 @@ class Stack:
         self.stopping = asyncio.Event()
         self.logs = cfg.state_dir / "logs"
         self.auth: StackAuth | None = None  # set when running with a tenants file
+        # computed once, before the supervisor pins itself (which changes what sched_getaffinity reports)
         self.pools = self._cpu_pools()
+
+    def control_cpus(self) -> list[int] | None:
+        """Cores for nats-server, the router, the cache index, the front door and this supervisor: every core
+        but the decode pool's, so that only decoders run there. Left to float, the control plane (~7% of a core
+        under load) moved onto the decode core whenever the prefill core was saturated, and the streams' steps
+        slowed by as much. None (no pinning) when the decode pool has every core (colocated)."""
+        decode = set(self.pools.get("decode", ()))
+        if not decode:
+            return None
+        rest = [x for x in sorted(os.sched_getaffinity(0)) if x not in decode]
+        return rest or None
 
     def _children(self) -> list[Child]:
         c = self.cfg
@@ -207,6 +219,15 @@ class Stack:
                           f"{self.auth.auth_dir / natsauth.TENANTS_FILE}")
             if self.nats_url:
                 self.echo(f"  {'auth':<15} external NATS server: its config must include {conf_path}")
+        control = self.control_cpus()
+        if control:
+            # The supervisor's threads first: everything it starts inherits them (workers then pin their
+            # engine threads to their own pool).
+            for tid in os.listdir("/proc/self/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), control)
+            self.echo(f"  {'control plane':<15} cores {','.join(map(str, control))} (decode cores "
+                      f"{','.join(map(str, self.pools['decode']))} run only decoders)")
         if not self.nats_url:
             self.nats = await asyncio.to_thread(start_nats, c.state_dir / "nats", port=c.nats_port,
                                                 log_file=self.logs / "nats.log", extra_config=auth_conf)

@@ -72,8 +72,12 @@ def test_long_context_decoders_share_the_prefill_cores_by_default() -> None:
     stack = _stack([0, 1, 2, 3], prefill=1, decode=1, long_decode=1, long_decode_cpus="3", decode_cpus="1-2")
     kids = {c.name: c.argv for c in stack._children()}
     assert _arg(kids["decode-long-0"], "--cpus") == "3"
+    with mock.patch("os.sched_getaffinity", return_value={0, 1, 2, 3}):
+        assert stack.control_cpus() == [0, 3]  # the control plane gets every core but the decode pool's
     colocated = _stack([0, 1], colocated=True, decode=2)
     assert colocated.pools == {"decode": [0, 1]}
+    with mock.patch("os.sched_getaffinity", return_value={0, 1}):
+        assert colocated.control_cpus() is None  # decoders on every core: nothing to keep apart
     kids = {c.name: c.argv for c in colocated._children()}
     assert [_arg(kids[n], "--cpus") for n in ("decode-0", "decode-1")] == ["0", "1"]
 
