@@ -12,7 +12,7 @@ import nats
 import proto
 from proto import Heartbeat, Subjects
 from splitserve import errors
-from splitserve.client import Client
+from splitserve.client import Client, Result
 from splitserve.stackproc import spawn_service, wait_ready
 
 __all__ = ["spawn_service", "wait_ready"]
@@ -58,3 +58,16 @@ async def kill_worker_mid_stream(client: Client, url: str, worker: str = "decode
     except errors.SplitserveError as exc:
         return gen.request_id, exc
     raise AssertionError(f"the stream of {gen.request_id} ended normally although {worker} was killed")
+
+
+async def cancel_mid_stream(url: str, *, after: int = 3, tenant: str | None = None, max_tokens: int = 2000) -> Result:
+    """Stream a long generation and cancel it at its ``after``-th delta; returns the final result."""
+    async with Client(url, tenant=tenant) as c:
+        gen = c.generate("Write a very long story about a dragon.", chat=True, max_tokens=max_tokens)
+        n = 0
+        async for _ in gen:
+            n += 1
+            if n == after:
+                await gen.cancel()
+        assert gen.result is not None
+        return gen.result

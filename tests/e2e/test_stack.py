@@ -18,7 +18,7 @@ import proto
 from splitserve import errors
 from splitserve.client import Client
 from splitserve.stackproc import StackProc, start_stack
-from tests.procs import heartbeat_of, kill_worker_mid_stream
+from tests.procs import cancel_mid_stream, heartbeat_of, kill_worker_mid_stream
 
 pytestmark = pytest.mark.slow
 
@@ -164,17 +164,8 @@ def _decoder_idle(stack: StackProc, timeout: float = 20.0) -> bool:
 
 
 def test_cancel_mid_stream_ends_with_cancelled_and_frees_the_decoder(stack: StackProc) -> None:
-    async def go() -> tuple[str, int]:
-        async with Client(stack.nats_url) as c:
-            gen = c.generate("Write a very long story about a dragon.", chat=True, max_tokens=2000)
-            n = 0
-            async for _ in gen:
-                n += 1
-                if n == 3:
-                    await gen.cancel()
-            assert gen.result is not None
-            return gen.result.finish_reason, gen.result.usage.completion_tokens
-    reason, tokens = asyncio.run(go())
+    res = asyncio.run(cancel_mid_stream(stack.nats_url))
+    reason, tokens = res.finish_reason, res.usage.completion_tokens
     assert reason == "cancelled"
     assert 3 <= tokens < 200
     assert _decoder_idle(stack)

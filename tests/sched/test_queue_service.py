@@ -12,6 +12,7 @@ file, and decode workers running the ``mock`` engine (a control-plane load test:
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
 from collections import Counter
@@ -55,9 +56,19 @@ def _spawn_router(url: str, logs: Path, tenants: Path, worker_id: str = "router-
                          "--queue-ack-wait-s", "3", nats_url=url, worker_id=worker_id, log_dir=logs)
 
 
-def _spawn_decoder(url: str, logs: Path, worker_id: str, max_batch: int = 4):  # type: ignore[no-untyped-def]
+def _spawn_decoder(url: str, logs: Path, worker_id: str, max_batch: int = 4,  # type: ignore[no-untyped-def]
+                   step_ms: int | None = None):
+    # step_ms: the mock engine's time per decode step for this worker (default: the environment's)
+    env = None if step_ms is None else dict(os.environ, SPLITSERVE_MOCK_STEP_MS=str(step_ms))
     return spawn_service("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", str(max_batch),
-                         nats_url=url, worker_id=worker_id, log_dir=logs)
+                         nats_url=url, worker_id=worker_id, log_dir=logs, env=env)
+
+
+def _own_stack(nats: NatsServer, tmp_path: Path) -> tuple[str, Path, Path]:
+    """URL, log folder and tenants file for a test that runs a router of its own on its own server."""
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(TENANTS)
+    return nats.url, tmp_path / "logs", tenants
 
 
 @pytest.fixture(scope="module")
@@ -175,15 +186,9 @@ async def _drain(it: AsyncIterator[object]) -> int:
 
 async def test_cancel_and_deadline_while_queued(fresh_nats: NatsServer, tmp_path: Path) -> None:
     # A stack of its own whose only decoder is busy with long requests, so the next ones wait in the queue.
-    url, logs = fresh_nats.url, tmp_path / "logs"  # a server of its own: no other test's router
-    tenants = tmp_path / "tenants.yaml"
-    tenants.write_text(TENANTS)
-    from splitserve.stackproc import spawn_service as spawn
-
-    slow_env = dict(__import__("os").environ, SPLITSERVE_MOCK_STEP_MS="50")  # 64 tokens: 3.2 s per request
+    url, logs, tenants = _own_stack(fresh_nats, tmp_path)  # a server of its own: no other test's router
     procs = [_spawn_router(url, logs, tenants, "router-w"),
-             spawn("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", "1", nats_url=url,
-                   worker_id="decode-w", log_dir=logs, env=slow_env)]
+             _spawn_decoder(url, logs, "decode-w", max_batch=1, step_ms=50)]  # 64 tokens: 3.2 s per request
     try:
         await wait_ready(url, ["router-w", "decode-w"], timeout=180)
         async with Client(url, tenant="waiting") as c:
@@ -214,9 +219,7 @@ async def test_cancel_and_deadline_while_queued(fresh_nats: NatsServer, tmp_path
 
 
 async def test_router_killed_mid_load_loses_no_accepted_request(fresh_nats: NatsServer, tmp_path: Path) -> None:
-    url, logs = fresh_nats.url, tmp_path / "logs"  # a server of its own: no other test's router
-    tenants = tmp_path / "tenants.yaml"
-    tenants.write_text(TENANTS)
+    url, logs, tenants = _own_stack(fresh_nats, tmp_path)  # a server of its own: no other test's router
     router = _spawn_router(url, logs, tenants, "router-k1")
     decoders = [_spawn_decoder(url, logs, "decode-k1"), _spawn_decoder(url, logs, "decode-k2")]
     terminals: Counter[str] = Counter()
@@ -318,15 +321,9 @@ async def test_new_router_adopts_requests_still_running(fresh_nats: NatsServer, 
     # Requests that outlive the ack wait: when their router dies, the new router finds them in the decoder's
     # heartbeat and adopts them (no second run); it then still watches them, so a decoder death afterwards
     # is reported as worker_died rather than leaving the caller waiting.
-    url, logs = fresh_nats.url, tmp_path / "logs"  # a server of its own: no other test's router
-    tenants = tmp_path / "tenants.yaml"
-    tenants.write_text(TENANTS)
-    env = dict(__import__("os").environ, SPLITSERVE_MOCK_STEP_MS="300")
-    from splitserve.stackproc import spawn_service as spawn
-
+    url, logs, tenants = _own_stack(fresh_nats, tmp_path)  # a server of its own: no other test's router
     router = _spawn_router(url, logs, tenants, "router-a1")
-    slow = spawn("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", "4", nats_url=url,
-                 worker_id="decode-slow", log_dir=logs, env=env)
+    slow = _spawn_decoder(url, logs, "decode-slow", max_batch=4, step_ms=300)
     procs = [slow]
     try:
         await wait_ready(url, ["router-a1", "decode-slow"], timeout=180)
@@ -359,15 +356,9 @@ async def test_request_cancelled_in_queue_stays_cancelled_across_a_router_restar
                                                                                     tmp_path: Path) -> None:
     # The cancelled final went out while the request waited; a new router must not run it when it reaches
     # the head of the queue (the router that saw the cancel is gone, its RequestFinished is in SS_USAGE).
-    url, logs = fresh_nats.url, tmp_path / "logs"  # a server of its own: no other test's router
-    tenants = tmp_path / "tenants.yaml"
-    tenants.write_text(TENANTS)
-    env = dict(__import__("os").environ, SPLITSERVE_MOCK_STEP_MS="100")
-    from splitserve.stackproc import spawn_service as spawn
-
+    url, logs, tenants = _own_stack(fresh_nats, tmp_path)  # a server of its own: no other test's router
     router = _spawn_router(url, logs, tenants, "router-c1")
-    dec = spawn("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", "1", nats_url=url,
-                worker_id="decode-c", log_dir=logs, env=env)
+    dec = _spawn_decoder(url, logs, "decode-c", max_batch=1, step_ms=100)
     terminals: Counter[str] = Counter()
     try:
         await wait_ready(url, ["router-c1", "decode-c"], timeout=180)

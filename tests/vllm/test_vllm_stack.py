@@ -120,18 +120,8 @@ def test_heartbeats_carry_vllm_load(stack: StackProc) -> None:
 
 
 def test_cancel_mid_stream_aborts_in_vllm(stack: StackProc) -> None:
-    from splitserve.client import Client
+    from tests.procs import cancel_mid_stream
 
-    async def go() -> tuple[str | None, int]:
-        async with Client(stack.nats_url, tenant="t") as c:
-            gen = c.generate("Write a very long story about a dragon.", chat=True, max_tokens=500)
-            n = 0
-            async for _ in gen:
-                n += 1
-                if n == 3:
-                    await gen.cancel()
-            assert gen.result is not None
-            return gen.result.finish_reason, len(gen.result.token_ids)
-
-    reason, n = asyncio.run(go())
+    res = asyncio.run(cancel_mid_stream(stack.nats_url, tenant="t", max_tokens=500))
+    reason, n = res.finish_reason, len(res.token_ids)
     assert reason == "cancelled" and n < 100
