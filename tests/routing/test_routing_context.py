@@ -79,3 +79,12 @@ def test_partition_rule(prompt: int, general: int, long: int, threshold: int) ->
         assert pool == "general" and all(w.pool == "general" for w in chosen) and len(chosen) == general
     else:
         assert pool == "long_only"
+
+
+def test_decoder_refuses_an_unknown_pool() -> None:
+    import subprocess
+    import sys
+
+    cp = subprocess.run([sys.executable, "-m", "services.decode", "--pool", "huge", "--nats-url",
+                         "nats://127.0.0.1:1"], capture_output=True, text=True, timeout=120)
+    assert cp.returncode == 2 and "--pool" in cp.stderr and "general, long" in cp.stderr, cp.stderr
