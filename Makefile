@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: setup run test test-fast lint bench clean
+.PHONY: setup sysdeps run test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -25,13 +25,17 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
+# Debian packages that some tests need (tools/apt-packages.txt): installed when missing, as root.
+sysdeps:
+	bash tools/sysdeps.sh
+
 run: setup
 	$(VENV)/bin/splitserve up $(ARGS)
 
-test: setup
+test: setup sysdeps
 	$(VENV)/bin/pytest -q -rs $(PYTEST_ARGS)
 
-test-fast: setup
+test-fast: setup sysdeps
 	$(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
 
 lint: setup

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs the Debian packages listed in tools/apt-packages.txt that are not installed yet (as root, with
+# apt-get). Without root or apt it says what is missing and carries on: the tests that need them say so.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mapfile -t pkgs < <(grep -v '^\s*#' tools/apt-packages.txt | awk 'NF{print $1}')
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
+  echo "sysdeps: not installed (needs root and apt-get): ${missing[*]}" >&2
+  exit 0
+fi
+echo "sysdeps: installing ${missing[*]}"
+apt-get update -qq
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
