@@ -209,10 +209,10 @@ async def test_tenant_subscribes_its_own_stream(cluster: Cluster, router: NATS, 
     await router.publish("ss.stream.A.r1", b"delta")
     await router.publish("ss.evt.finished.A.r1", b"done")
     await router.flush()
-    assert (await sub.next_msg(timeout=2)).data == b"delta"
-    assert (await fin.next_msg(timeout=2)).data == b"done"
+    assert (await sub.next_msg(timeout=10)).data == b"delta"
+    assert (await fin.next_msg(timeout=10)).data == b"done"
     await _publish_result(router, "A", "r-sub", b"result")
-    assert (await res.next_msg(timeout=2)).data == b"result"
+    assert (await res.next_msg(timeout=10)).data == b"result"
     assert tenant_a.errors == []
 
 
