@@ -167,6 +167,10 @@ class RouterService(Service):
         self.wq = WorkQueue(self.b, ack_wait_s=self.queue_ack_wait_s)
         await self.wq.setup()  # also the usage stream, which --no-queue keeps too
         self.tokenizer = await asyncio.to_thread(PromptTokenizer, self.model)
+        self.make_policy()
+
+    def make_policy(self) -> None:
+        """The routing policy objects (the simulator builds its router with the same ``build_router``)."""
         # The router always keeps an in-process replica of the cache index, fed by the workers' own KV
         # events: kvaware routes on it, and every strategy's disaggregation rule counts *uncached* tokens.
         self.index = PrefixIndex()

@@ -21,7 +21,6 @@ live router's index consumes. Loads for heartbeats are read off the worker by th
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -58,6 +57,8 @@ class Seq:
     blocks: int = 0  # KV blocks reserved on the decoder
     pinned: list[int] = field(default_factory=list)  # cached prefix blocks in use (not evictable)
     kv_bytes: int = 0
+    alloc: int = 0  # tokens the reserved blocks can hold
+    recompute: bool = False  # preempted: its context is recomputed on readmission
     itl_max: float = 0.0
     itl_sum: float = 0.0
     itls: int = 0
@@ -287,7 +288,7 @@ class DecodeWorker(_Worker):
         self.queued_tokens = 0
         self.ctx_sum = 0
         self.rate = model.prefill_tokens_per_s()
-        self.on_done: Callable[[DecodeWorker], None] | None = None
+        self.preemptions = 0
 
     # --- admission ---------------------------------------------------------------------------------------
     def submit_direct(self, s: Seq) -> None:
@@ -305,45 +306,76 @@ class DecodeWorker(_Worker):
             self._step(None)
 
     def _admit(self) -> None:
+        # Paged allocation as vLLM does it: a sequence is admitted with its prompt's blocks (plus one to
+        # grow into) and takes a block whenever its context crosses a block boundary; when none is left the
+        # youngest running sequence is preempted and later recomputed.
         w = self.waiting
         bs = self.bs
         cache = self.cache
+        now = self.c.loop.now  # type: ignore[attr-defined]
         while w and len(self.running) + len(self.prefilling) < self.max_seqs:
             s = w[0]
             p = s.req.prompt_tokens
-            if s.route == "direct":
-                hit = cache.match(s.hashes)
-                cached = min(hit * bs, p - 1)
-                need = -(-(p - hit * bs + s.req.output_tokens) // bs)
+            if s.route == "direct" or s.recompute:
+                hit = 0 if s.recompute else cache.match(s.hashes)
+                total = s.ctx if s.recompute else p
+                need = -(-(total - hit * bs) // bs) + 1
                 if not cache.reserve(need):
-                    if not self.running and not self.prefilling and need > cache.total:
-                        need = cache.total - len(cache.lru) - cache.used  # larger than the pool: run degraded
-                        cache.reserve(max(0, need))
-                    else:
+                    if self.running or self.prefilling:
                         break
+                    need = max(0, cache.free)  # larger than the whole pool: run it degraded rather than never
+                    cache.reserve(need)
                 w.popleft()
-                self.queued_tokens -= p
-                s.pinned = s.hashes[:hit]
-                cache.pin(s.pinned)
-                s.cached_tokens = cached
-                s.todo = p - cached
-                s.done = cached
-                s.blocks = max(0, need)
-                s.prefill_start_s = self.c.loop.now  # type: ignore[attr-defined]
+                if not s.recompute:
+                    self.queued_tokens -= p
+                    s.pinned = s.hashes[:hit]
+                    cache.pin(s.pinned)
+                    s.cached_tokens = min(hit * bs, p - 1)
+                    s.prefill_start_s = now
+                s.todo = total - (s.cached_tokens if not s.recompute else 0)
+                s.done = total - s.todo
+                s.blocks = need
+                s.alloc = (need + len(s.pinned)) * bs
                 self.prefilling.append(s)
             else:
-                need = -(-(p + s.req.output_tokens) // bs)
+                need = -(-p // bs) + 1
                 if not cache.reserve(need):
-                    if not self.running and not self.prefilling and need > cache.total:
-                        need = 0
-                    else:
+                    if self.running or self.prefilling:
                         break
+                    need = max(0, cache.free)
+                    cache.reserve(need)
                 w.popleft()
                 s.blocks = need
+                s.alloc = need * bs
                 s.ctx = p
                 self.ctx_sum += p
-                s.last_token_s = self.c.loop.now  # type: ignore[attr-defined]
                 self.running.append(s)
+
+    def _grow(self, s: Seq) -> bool:
+        """``s`` needs one more block; preempt the youngest running sequences until it gets one.
+        False if ``s`` itself was preempted."""
+        cache = self.cache
+        while not cache.reserve(1):
+            victim = next((v for v in reversed(self.running) if v.left > 0 and not v.recompute), s)
+            if victim.recompute:
+                return False
+            self._preempt(victim)
+            if victim is s:
+                return False
+        s.blocks += 1
+        s.alloc += self.bs
+        return True
+
+    def _preempt(self, v: Seq) -> None:
+        self.running.remove(v)
+        self.ctx_sum -= v.ctx
+        self.cache.release(v.blocks)
+        self.cache.unpin(v.pinned)
+        v.pinned = []
+        v.blocks = 0
+        v.recompute = True
+        self.preemptions += 1
+        self.waiting.appendleft(v)
 
     # --- the step loop -------------------------------------------------------------------------------------
     def _step(self, _: object) -> None:
@@ -387,20 +419,28 @@ class DecodeWorker(_Worker):
         now = c.loop.now  # type: ignore[attr-defined]
         finished: list[Seq] = []
         for s in decodes:
+            if s.recompute:
+                continue  # preempted during this step's bookkeeping: its token is not produced
             gap = now - s.last_token_s
             s.last_token_s = now
             s.ctx += 1
+            self.ctx_sum += 1
             s.left -= 1
             c.token(s, gap)
             if s.left <= 0:
                 finished.append(s)
-        self.ctx_sum += len(decodes)
+            elif s.ctx >= s.alloc and not self._grow(s):
+                continue
         for s, n in chunks:
             s.todo -= n
             s.done += n
-            self.queued_tokens -= 0
             if s.todo <= 0:
                 self.prefilling.remove(s)
+                if s.recompute:  # a preempted sequence is back: it resumes its stream
+                    s.recompute = False
+                    self.ctx_sum += s.ctx
+                    self.running.append(s)
+                    continue
                 s.prefill_end_s = now
                 s.ctx = s.req.prompt_tokens
                 self.ctx_sum += s.ctx
