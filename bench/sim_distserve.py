@@ -35,12 +35,15 @@ def config(tp_p: int, tp_d: int, kv_limited: bool = False) -> SimConfig:
 
 
 def attains(tp_p: int, tp_d: int, per_gpu_rate: float, n: int, seeds: int, kv_limited: bool = False) -> bool:
-    """Majority over seeds: the SLO is met at this per-GPU rate."""
-    ok = 0
+    """DistServe's test (P90 TTFT <= 0.2 s and P90 TPOT <= 0.1 s), over ``seeds`` samples of ``n`` requests
+    pooled (one 300-request sample is noisy: seeds alone moved the answer by a bisection step)."""
+    ttft_ok = tpot_ok = 0.0
     for seed in range(seeds):
         reqs = load_sharegpt(limit=n, rate=per_gpu_rate * (tp_p + tp_d), seed=seed, max_total_tokens=OPT_CONTEXT)
-        ok += simulate(config(tp_p, tp_d, kv_limited), reqs).meets_slo
-    return ok * 2 > seeds
+        slo = simulate(config(tp_p, tp_d, kv_limited), reqs).summary["slo"]
+        ttft_ok += slo["ttft_ok"]
+        tpot_ok += slo["tpot_ok"]
+    return ttft_ok / seeds >= 0.9 and tpot_ok / seeds >= 0.9
 
 
 def bisect(tp_p: int, tp_d: int, n: int, seeds: int, hi: float = 5.0, esp: float = 0.25,
@@ -85,7 +88,7 @@ def run(n: int, seeds: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=300, help="requests per run (DistServe's README: 300)")
-    ap.add_argument("--seeds", type=int, default=3, help="runs per rate (majority vote)")
+    ap.add_argument("--seeds", type=int, default=4, help="samples per rate (attainment pooled)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     out = run(a.n, a.seeds)

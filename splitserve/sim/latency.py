@@ -101,8 +101,10 @@ def distserve(model: str = "opt-13b", tp: int = 1, path: Path | None = None) -> 
     if str(tp) not in per_tp:
         raise ValueError(f"no DistServe fit for {model} at TP {tp}; have TP {', '.join(per_tp)}")
     d = per_tp[str(tp)]
-    return StepFit(f"distserve/{model}/a100/tp{tp}", tuple(d["prefill"]), tuple(d["decoding_smallbs"]),
-                   tuple(d["decoding_largebs"]), int(d["decoding_large_small_bs_threshold"]), overhead_ms=1.0)
+    a, b, c = d["prefill"]
+    # DistServe's estimator adds 1 ms per pipeline stage to a prefill step (none to a decode step)
+    return StepFit(f"distserve/{model}/a100/tp{tp}", (a + 1.0, b, c), tuple(d["decoding_smallbs"]),
+                   tuple(d["decoding_largebs"]), int(d["decoding_large_small_bs_threshold"]))
 
 
 def _lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
