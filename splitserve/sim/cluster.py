@@ -164,6 +164,7 @@ class Sim:
         self.kv_bytes = 0
         self.log: list[tuple[Any, ...]] = []
         self.itl = array("d")
+        self.itl_by_kind: dict[str, array[float]] = {}
         self.horizon = max((r.arrival_s for r in self.requests), default=0.0) + 1.0
         nb = max(1, cfg.util_buckets)
         self.util_dt = self.horizon / nb
@@ -322,6 +323,12 @@ class Sim:
 
     def token(self, s: Seq, gap: float) -> None:
         self.itl.append(gap)
+        k = s.req.kind
+        if k:
+            arr = self.itl_by_kind.get(k)
+            if arr is None:
+                arr = self.itl_by_kind[k] = array("d")
+            arr.append(gap)
         s.itl_sum += gap
         s.itls += 1
         if gap > s.itl_max:

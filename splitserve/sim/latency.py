@@ -125,9 +125,11 @@ def splitwise(model: str = "llama2-70b", gpu: str = "h100", tp: int = 8, path: P
             if r["model"] != model or r["hardware"] != hw or int(r["tensor_parallel"]) != tp:
                 continue
             p, b, o = int(r["prompt_size"]), int(r["batch_size"]), int(r["token_size"])
-            # prompt_time: b prompts of p tokens in one batch
-            pre_x.append([1.0, b * p, b * p * p])
-            pre_y.append(float(r["prompt_time"]))
+            # prompt_time of one prompt by its length (the batched rows of the table are not monotonic in the
+            # batch size - some large batches ran faster than smaller ones - so they would skew the fit)
+            if b == 1:
+                pre_x.append([1.0, p, p * p])
+                pre_y.append(float(r["prompt_time"]))
             dec_x.append([1.0, b * (p + o / 2), b])  # mean context over the generation
             dec_y.append(float(r["token_time"]))
     if not pre_y:

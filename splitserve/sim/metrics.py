@@ -137,7 +137,8 @@ def collect(sim: Sim) -> SimResult:
         "utilisation": {"prefill": pool_util("prefill"), "decode": pool_util("decode"), "per_worker": per_worker},
         "index": {"batches": sim.index.batches, "events": sim.index.events, "gaps": sim.index.gaps},
         "events_processed": sim.loop.processed,
-        "by_kind": {k: {m: _pcts(v) for m, v in d.items()} for k, d in kinds.items()},
+        "by_kind": {k: {**{m: _pcts(v) for m, v in d.items()}, "itl": _pcts(sim.itl_by_kind.get(k, ()))}
+                    for k, d in kinds.items()},
     }
     nd = max(1, sum(1 for w in sim.workers if w.role == "decode"))
     npf = max(1, sum(1 for w in sim.workers if w.role == "prefill"))
