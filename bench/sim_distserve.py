@@ -81,7 +81,8 @@ def run(n: int, seeds: int) -> dict[str, Any]:
             "kv_limited_esp_0.01": limited,
             "relative_error": round(err, 4), "within_10pct": err <= 0.10,
             "same_config": (b["tp_prefill"], b["tp_decode"]) == (2, 1),
-            "mean_prompt": statistics.mean(r.prompt_tokens for r in load_sharegpt(limit=n, max_total_tokens=OPT_CONTEXT)),
+            "mean_prompt": statistics.mean(r.prompt_tokens
+                                           for r in load_sharegpt(limit=n, max_total_tokens=OPT_CONTEXT)),
             "seconds": round(time.perf_counter() - started, 1)}
 
 
@@ -98,9 +99,11 @@ def main() -> None:
     print("config (prefill TP + decode TP)   per-GPU rate, bisection 0.25   refined 0.01")
     fine = {(r["tp_prefill"], r["tp_decode"]): r["per_gpu_rate"] for r in out["refined_esp_0.01"]["configs"]}
     for r in out["bisection_esp_0.25"]["configs"]:
-        print(f"  TP{r['tp_prefill']} + TP{r['tp_decode']:<26} {r['per_gpu_rate']:>8.2f}   {fine[(r['tp_prefill'], r['tp_decode'])]:>20.2f}")
+        refined = fine[(r["tp_prefill"], r["tp_decode"])]
+        print(f"  TP{r['tp_prefill']} + TP{r['tp_decode']:<26} {r['per_gpu_rate']:>8.2f}   {refined:>20.2f}")
     b = out["bisection_esp_0.25"]["best"]
-    print(f"best (ours):      {b['per_gpu_rate']:.2f} req/s/GPU with prefill TP {b['tp_prefill']}, decode TP {b['tp_decode']}")
+    print(f"best (ours):      {b['per_gpu_rate']:.2f} req/s/GPU with prefill TP {b['tp_prefill']}, "
+          f"decode TP {b['tp_decode']}")
     print(f"best (DistServe): {PUBLISHED['per_gpu_rate']:.2f} req/s/GPU with prefill TP 2, decode TP 1")
     lb = out["kv_limited_esp_0.01"]["best"]
     print(f"with our KV-capacity model (DistServe's simulator has none): {lb['per_gpu_rate']:.2f} req/s/GPU, "

@@ -59,7 +59,8 @@ def main() -> None:
         return
     for name, r in (("baseline", base), ("scale", big)):
         print(f"{name:9} {r['workers']:5} workers {r['requests']:6} requests at {r['rate_rps']:8.1f} req/s: "
-              f"{r['wall_s']:7.2f} s wall ({r['cpu_s']:.2f} s CPU; the machine is shared) for {r['sim_s']:7.1f} s simulated, {r['events']:9} events "
+              f"{r['wall_s']:7.2f} s wall ({r['cpu_s']:.2f} s CPU; the machine is shared) for "
+              f"{r['sim_s']:7.1f} s simulated, {r['events']:9} events "
               f"({r['events_per_s']:,}/s); finished {r['finished']}; TTFT p50 {r['ttft_p50_s']} s, "
               f"TPOT p50 {r['tpot_p50_s']} s")
 

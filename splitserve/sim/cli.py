@@ -99,7 +99,8 @@ def _base(trace: str, limit: int | None, rate_factor: float, rate: float, model:
                  attainment, seed)
 
 
-TraceOpt = typer.Option("azure-conv", "--trace", help="mooncake | azure-conv | azure-code | sharegpt | a .jsonl/.csv file")
+TraceOpt = typer.Option("azure-conv", "--trace",
+                        help="mooncake | azure-conv | azure-code | sharegpt | a .jsonl/.csv file")
 LimitOpt = typer.Option(None, "--limit", help="first N requests of the trace")
 RateFactorOpt = typer.Option(1.0, "--rate-factor", help="multiply the trace's arrival rate")
 RateOpt = typer.Option(1.0, "--rate", help="ShareGPT (lengths only): Poisson arrivals, req/s")
@@ -201,7 +202,8 @@ def _print_summary(s: dict[str, Any], gpus: int) -> None:
                f"met at {slo['attainment']:.0%}: {slo['met']}  goodput {s['goodput_rps']:.3f} req/s "
                f"({s['goodput_per_gpu_rps']:.4f} per GPU)")
     u = s["utilisation"]
-    typer.echo(f"routes {s['routes']}  cache hit {s['cache_hit_ratio']:.1%}  KV moved {s['kv_bytes_moved'] / 1e9:.1f} GB  "
+    typer.echo(f"routes {s['routes']}  cache hit {s['cache_hit_ratio']:.1%}  "
+               f"KV moved {s['kv_bytes_moved'] / 1e9:.1f} GB  "
                f"utilisation prefill {u['prefill']:.1%} decode {u['decode']:.1%}")
 
 
@@ -256,7 +258,8 @@ def plan_cmd(
         typer.echo(f"{'P':>3} {'D':>3} {'GPUs':>5} {'strategy':>11} {'thresh':>7} {'TTFT ok':>8} {'TPOT ok':>8} "
                    f"{'goodput':>9}  met")
         for r in p.rows:
-            typer.echo(f"{r['prefill']:>3} {r['decode']:>3} {r['gpus']:>5} {r['strategy']:>11} {r['disagg_threshold']:>7} "
+            typer.echo(f"{r['prefill']:>3} {r['decode']:>3} {r['gpus']:>5} {r['strategy']:>11} "
+                       f"{r['disagg_threshold']:>7} "
                        f"{r['ttft_ok']:>8.1%} {r['tpot_ok']:>8.1%} {r['goodput_rps']:>9.3f}  {r['met']}")
         if p.best is None:
             typer.echo("no configuration in the sweep meets the SLO: try larger --sizes")

@@ -25,7 +25,7 @@ import random
 from array import array
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from splitserve.cache.events import KvEventBatch
@@ -65,6 +65,7 @@ class SimConfig:
     max_seqs: int = 256
     decode_token_budget: int = 2048  # tokens per decoder step (decodes + prefill chunks)
     chunked_prefill: bool = True
+    fused_steps: bool = True  # a prefill chunk rides in the decode step's pass (vLLM); False: separate passes
     prefill_token_budget: int = 8192
     # the live router's settings (RouterService defaults)
     strategy: str = "kvaware"
@@ -133,7 +134,8 @@ class Sim:
             pool = "long" if i >= cfg.decode else "general"
             w = DecodeWorker(f"d{i}" if pool == "general" else f"ld{i - cfg.decode}", dfit,
                              blocks(cfg.gpus_per_decode), bs, self, max_seqs=cfg.max_seqs,
-                             token_budget=cfg.decode_token_budget, chunked=cfg.chunked_prefill, pool=pool)
+                             token_budget=cfg.decode_token_budget, chunked=cfg.chunked_prefill, pool=pool,
+                             fused=cfg.fused_steps)
             self.decoders.append(w)
         self.prefillers = [PrefillWorker(f"p{i}", pfit, blocks(cfg.gpus_per_prefill), bs, self,
                                          token_budget=cfg.prefill_token_budget, kv_bytes_per_token=self.kv_bpt)

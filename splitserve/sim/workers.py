@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from splitserve.cache.events import BlockRemoved, BlockStored, KvEventBatch
+from splitserve.cache.events import BlockRemoved, BlockStored, KvEvent, KvEventBatch
 
 if TYPE_CHECKING:
+    from splitserve.sim.clock import EventLoop
     from splitserve.sim.latency import StepFit
     from splitserve.sim.workload import SimRequest
 
@@ -76,7 +77,7 @@ class PrefixCache:
         self.used = 0  # blocks held by active sequences (not counting pinned cache blocks)
         self.lru: OrderedDict[int, None] = OrderedDict()
         self.pins: dict[int, int] = {}
-        self.events: list[BlockStored | BlockRemoved] = []
+        self.events: list[KvEvent] = []
         self.hits = 0
         self.lookups = 0
         self.evicted = 0
@@ -192,13 +193,13 @@ class _Worker:
         self.c.account(self, self.c.loop.now, dur)
 
 
-class Cluster:
+class Cluster(Protocol):
     """What a worker needs from the simulation around it (implemented by :class:`splitserve.sim.cluster.Sim`)."""
 
-    loop: object
+    loop: EventLoop
 
     def publish_kv(self, batch: KvEventBatch) -> None: ...
-    def account(self, w: _Worker, start: float, dur: float) -> None: ...
+    def account(self, w: object, start: float, dur: float) -> None: ...
     def first_token(self, s: Seq) -> None: ...
     def token(self, s: Seq, gap: float) -> None: ...
     def finished(self, s: Seq) -> None: ...
@@ -229,7 +230,7 @@ class PrefillWorker(_Worker):
             self._step(None)
 
     def _step(self, _: object) -> None:
-        loop = self.c.loop  # type: ignore[attr-defined]
+        loop = self.c.loop
         if self.batch:
             self._done(self.batch)
             self.batch = []
@@ -253,14 +254,14 @@ class PrefillWorker(_Worker):
         loop.after(dur, self._step)
 
     def _done(self, batch: list[Seq]) -> None:
-        now = self.c.loop.now  # type: ignore[attr-defined]
+        now = self.c.loop.now
         for s in batch:
             s.prefill_end_s = now
             self.cache.insert(s.hashes)
             compute = now - s.prefill_start_s
             nbytes = self.kv_bpt * (s.req.prompt_tokens - s.decoder_cached)
             s.kv_bytes = nbytes
-            self.c.loop.after(self.c.transfer_s(s, nbytes, compute), self.c.kv_landed, s)  # type: ignore[attr-defined]
+            self.c.loop.after(self.c.transfer_s(s, nbytes, compute), self.c.kv_landed, s)
         self.flush_events()
 
     def load(self) -> tuple[int, int, int]:
@@ -275,11 +276,13 @@ class DecodeWorker(_Worker):
     role = "decode"
 
     def __init__(self, wid: str, model: StepFit, kv_blocks: int, block_size: int, ctx: Cluster, *,
-                 max_seqs: int = 256, token_budget: int = 2048, chunked: bool = True, pool: str = "general") -> None:
+                 max_seqs: int = 256, token_budget: int = 2048, chunked: bool = True, pool: str = "general",
+                 fused: bool = True) -> None:
         super().__init__(wid, model, kv_blocks, block_size, ctx)
         self.max_seqs = max_seqs
         self.token_budget = token_budget
         self.chunked = chunked
+        self.fused = fused
         self.pool = pool
         self.waiting: deque[Seq] = deque()  # direct requests and landed-KV requests waiting for admission
         self.prefilling: list[Seq] = []
@@ -312,7 +315,7 @@ class DecodeWorker(_Worker):
         w = self.waiting
         bs = self.bs
         cache = self.cache
-        now = self.c.loop.now  # type: ignore[attr-defined]
+        now = self.c.loop.now
         while w and len(self.running) + len(self.prefilling) < self.max_seqs:
             s = w[0]
             p = s.req.prompt_tokens
@@ -379,7 +382,7 @@ class DecodeWorker(_Worker):
 
     # --- the step loop -------------------------------------------------------------------------------------
     def _step(self, _: object) -> None:
-        loop = self.c.loop  # type: ignore[attr-defined]
+        loop = self.c.loop
         if self.step_batch is not None:
             self._apply(*self.step_batch)
             self.step_batch = None
@@ -401,7 +404,11 @@ class DecodeWorker(_Worker):
             self.busy = False
             self.flush_events()
             return
-        if chunks:
+        if chunks and not self.fused:
+            # an engine that runs a prefill chunk and a decode step as separate passes (the hf engine)
+            dur = self.model.chunk_ms([(n, s.done) for s, n in chunks]) + (
+                self.model.decode_ms(len(decodes), self.ctx_sum) if decodes else 0.0)
+        elif chunks:
             dur = self.model.mixed_ms([(n, s.done) for s, n in chunks], len(decodes), self.ctx_sum if decodes else 0)
         else:
             dur = self.model.decode_ms(len(decodes), self.ctx_sum)
@@ -416,7 +423,7 @@ class DecodeWorker(_Worker):
 
     def _apply(self, decodes: list[Seq], chunks: list[tuple[Seq, int]]) -> None:
         c = self.c
-        now = c.loop.now  # type: ignore[attr-defined]
+        now = c.loop.now
         finished: list[Seq] = []
         for s in decodes:
             if s.recompute:

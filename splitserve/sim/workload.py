@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import math
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace

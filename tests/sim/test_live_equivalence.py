@@ -49,7 +49,9 @@ def _run_sim(strategy: str) -> Sim:
     return sim
 
 
-async def _replay(sim: Sim, strategy: str, monkeypatch: pytest.MonkeyPatch) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+async def _replay(
+    sim: Sim, strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     cfg = sim.cfg
     clock = [0.0]
     monkeypatch.setattr(service_mod, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
