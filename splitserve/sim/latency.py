@@ -134,10 +134,22 @@ def splitwise(model: str = "llama2-70b", gpu: str = "h100", tp: int = 8, path: P
             dec_y.append(float(r["token_time"]))
     if not pre_y:
         raise ValueError(f"no Splitwise measurements for {model} on {hw} at TP {tp}")
-    pa, pb, pc = _lstsq(pre_x, pre_y)
+    # The quadratic (attention) term is not fitted freely: three points up to 8k tokens cannot pin it down, and
+    # a free fit (10x the attention FLOPs here) made a 38k-token Mooncake prompt take ~10 s at TP8. It is tied
+    # to the linear term by the FLOP ratio: causal attention costs 2*d_model*layers FLOPs per token^2 against
+    # 2*params per token, so prefill ms = a + b * (L + r * L^2) with r = d_model * layers / params.
+    r = _ATTN_RATIO.get(model)
+    if r is None:
+        pa, pb, pc = _lstsq(pre_x, pre_y)
+    else:
+        pa, pb = _lstsq([[1.0, x[1] + r * x[2]] for x in pre_x], pre_y)
+        pc = pb * r
     da, db, dc = _lstsq(dec_x, dec_y)
     return StepFit(f"splitwise/{model}/{gpu}/tp{tp}", (pa, max(pb, 0.0), max(pc, 0.0)),
                    (da, max(db, 0.0), max(dc, 0.0)))
+
+
+_ATTN_RATIO = {"llama2-70b": 8192 * 80 / 69e9, "bloom-176b": 14336 * 70 / 176e9}
 
 
 def calibrated(prefill_points: Sequence[tuple[int, float]], decode_points: Sequence[tuple[int, int, float]],
