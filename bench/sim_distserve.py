@@ -7,7 +7,19 @@ prefill and one decode instance, TP 1/2/4 each, at most 4 GPUs) on splitserve's 
 own A100 fits, and prints our best per-GPU rate and config beside the published figure. The same search
 refined to a 0.01 step is printed too (the bisection's answer is only resolved to 0.25).
 
-    python -m bench.sim_distserve [--n 300] [--seeds 3] [--json]
+    python -m bench.sim_distserve [--n 300] [--seeds 4] [--json]
+
+What differs from DistServe's run (the reasons the figures need not agree exactly):
+
+* the data: DistServe samples its own ShareGPT file tokenized for OPT; here the only ShareGPT lengths are
+  sarathi-serve's (llama2 tokenizer, whole multi-turn conversations, p50 1,730 prompt tokens), filtered to
+  conversations that fit OPT's 2,048-token context (mean 627 prompt / 416 output tokens);
+* DistServe's ``DisaggCluster`` builds every worker with ``TP_Decode = TP_Prefill`` (simulate_dist.py), so
+  its "prefill TP 2 + decode TP 1" decodes with the TP-2 fit while counting 3 GPUs; here a decoder uses its
+  own TP's fit;
+* attainment is pooled over ``--seeds`` samples of ``--n`` requests (DistServe: one sample, seed 0); its
+  decode runs ``output_lens`` steps after the prefill's token, here ``output - 1``; KV moves over NVLink
+  (DistServe: free); neither bounds the decode batch by KV memory (``kv_limited`` shows ours).
 """
 
 from __future__ import annotations
