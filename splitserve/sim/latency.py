@@ -179,11 +179,12 @@ def measure_hf(threads: int = 1, prefill: Sequence[int] = (128, 512, 1024), batc
     from splitserve.engines.hf import HfEngine
 
     engine = HfEngine.load(model, dtype="float32", num_threads=threads)
-    pre = [(n, 1000.0 * n / eb.time_prefill(engine, n)) for n in prefill]
+    pre = [(n, 1000.0 * n / eb.time_prefill(engine, n, repeats=3)) for n in prefill]
     dec = []
-    for b in batches:
-        tok_s = eb.time_decode(engine, b, prompt_len, steps=8)
-        ctx = sum(prompt_len + 7 * i for i in range(b))
+    # one long single stream too, so the context term is not confounded with the batch term
+    for b, plen in [(1, 4 * prompt_len)] + [(b, prompt_len) for b in batches]:
+        tok_s = eb.time_decode(engine, b, plen, steps=8)
+        ctx = sum(plen + 7 * i for i in range(b))
         dec.append((b, ctx, 1000.0 * b / tok_s))
     return calibrated(pre, dec, name=f"calibrated/hf/{threads}thr")
 
