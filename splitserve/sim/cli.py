@@ -161,7 +161,8 @@ def run_cmd(
             _fail(f"--rates must be comma-separated numbers, not {rates!r}")
         curve = rate_sweep(cfg, reqs, factors)
     out = res.to_dict()
-    out["utilisation"].pop("per_worker") if len(res.summary["utilisation"]["per_worker"]) > 64 else None
+    if len(res.summary["utilisation"]["per_worker"]) > 64:  # thousands of rows help nobody on a terminal
+        out["utilisation"] = {k: v for k, v in out["utilisation"].items() if k != "per_worker"}
     if curve is not None:
         out["goodput_vs_rate"] = curve
     if plots is not None:
