@@ -138,12 +138,12 @@ def splitwise(model: str = "llama2-70b", gpu: str = "h100", tp: int = 8, path: P
     # a free fit (10x the attention FLOPs here) made a 38k-token Mooncake prompt take ~10 s at TP8. It is tied
     # to the linear term by the FLOP ratio: causal attention costs 2*d_model*layers FLOPs per token^2 against
     # 2*params per token, so prefill ms = a + b * (L + r * L^2) with r = d_model * layers / params.
-    r = _ATTN_RATIO.get(model)
-    if r is None:
+    ratio = _ATTN_RATIO.get(model)
+    if ratio is None:
         pa, pb, pc = _lstsq(pre_x, pre_y)
     else:
-        pa, pb = _lstsq([[1.0, x[1] + r * x[2]] for x in pre_x], pre_y)
-        pc = pb * r
+        pa, pb = _lstsq([[1.0, x[1] + ratio * x[2]] for x in pre_x], pre_y)
+        pc = pb * ratio
     da, db, dc = _lstsq(dec_x, dec_y)
     return StepFit(f"splitwise/{model}/{gpu}/tp{tp}", (pa, max(pb, 0.0), max(pc, 0.0)),
                    (da, max(db, 0.0), max(dc, 0.0)))
