@@ -83,8 +83,10 @@ def main() -> None:
         stack.stop()
     live = results(requests, outcomes, wall)
 
+    # Every request loaded the live cluster, including any that failed at the client: simulate them all (a
+    # failed one with its max_tokens).
     sim_reqs = [SimRequest(f"r{r.index}", r.send_at_s, len(r.prompt), max(1, o.completion_tokens or r.max_tokens))
-                for r, o in zip(requests, outcomes, strict=True) if o.error is None]
+                for r, o in zip(requests, outcomes, strict=True)]
     res = simulate(sim_config(fit, a.bus_delay_ms / 1000), sim_reqs)
     s = res.summary
     rows = {
