@@ -17,6 +17,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="splitserve: 
                   "LLM serving over NATS")
 bench_app = typer.Typer(no_args_is_help=True, help="benchmarks")
 app.add_typer(bench_app, name="bench")
+from splitserve.sim.cli import sim_app  # noqa: E402  (light: heavy imports happen inside its commands)
+
+app.add_typer(sim_app, name="sim")
 
 
 

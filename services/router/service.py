@@ -58,7 +58,8 @@ from services.router.workqueue import WorkQueue
 from splitserve.cache import events as cache_events
 from splitserve.cache.index import PrefixIndex
 from splitserve.obs import tracing
-from splitserve.routing import ContextPools, DisaggPolicy, NoWorkers, Router, RoutingRequest, WorkerView
+from splitserve.routing import NoWorkers, RoutingRequest, WorkerView
+from splitserve.routing.live import build_router, decoder_free_slots, dispatch_batch, live_disagg, view_from_load
 from splitserve.runtime.bus import PayloadTooLarge
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
@@ -69,8 +70,6 @@ from splitserve.tenancy.quota import QuotaBook
 _REFUSAL_CODES = {"unknown_tenant": ErrorCode.UNKNOWN_TENANT, "quota_exceeded": ErrorCode.QUOTA_EXCEEDED,
                   "prompt_too_long": ErrorCode.PROMPT_TOO_LONG, "bad_request": ErrorCode.BAD_REQUEST}
 MAX_DELIVERIES = 5  # a request that took down this many routers is failed instead of tried again
-DEFAULT_DECODER_SLOTS = 16
-DISPATCH_BATCH = 8  # most queue messages pulled from one tenant per scheduling decision
 REGISTRY_WARMUP_S = 1.5  # three heartbeat intervals
 
 
@@ -131,10 +130,8 @@ class RouterService(Service):
         self.strategy_name = strategy
         self.disagg_threshold = disagg_threshold
         self.results_ttl_s = results_ttl_s
-        # Direct prefill on a decoder pauses its other streams: above this pause, use a prefiller instead.
-        self.disagg = DisaggPolicy(min_uncached_tokens=disagg_threshold, max_stall_ms=max_stall_ms,
-                                   decoder_prefill_tokens_per_s=decoder_prefill_tps)
-        self.context = ContextPools(long_prompt_tokens=long_prompt_tokens)
+        self.disagg = live_disagg(disagg_threshold, max_stall_ms, decoder_prefill_tps)
+        self.long_prompt_tokens = long_prompt_tokens
         self.no_worker_wait_s = no_worker_wait_s
         self.max_inflight = max_inflight
         self.registry = WorkerRegistry()
@@ -170,11 +167,14 @@ class RouterService(Service):
         self.wq = WorkQueue(self.b, ack_wait_s=self.queue_ack_wait_s)
         await self.wq.setup()  # also the usage stream, which --no-queue keeps too
         self.tokenizer = await asyncio.to_thread(PromptTokenizer, self.model)
+        self.make_policy()
+
+    def make_policy(self) -> None:
+        """The routing policy objects (the simulator builds its router with the same ``build_router``)."""
         # The router always keeps an in-process replica of the cache index, fed by the workers' own KV
         # events: kvaware routes on it, and every strategy's disaggregation rule counts *uncached* tokens.
         self.index = PrefixIndex()
-        self.policy = Router(strategy=self.strategy_name, disagg=self.disagg, index=self.index,
-                             context=self.context)
+        self.policy = build_router(self.strategy_name, self.disagg, self.index, self.long_prompt_tokens)
 
     async def start(self) -> None:
         self._started = time.monotonic()
@@ -447,15 +447,9 @@ class RouterService(Service):
         mine: dict[str, int] = {}
         for inf in self.inflight.values():
             mine[inf.decoder] = mine.get(inf.decoder, 0) + 1
-        free = 0
-        for hb in self.registry.live("decode", now):
-            cap = hb.load.max_seqs or DEFAULT_DECODER_SLOTS
-            used = max(mine.get(hb.worker_id, 0), hb.load.active_seqs + hb.load.queued_requests)
-            slots = max(0, cap + max(1, cap // 4) - used)
-            # A long-context decoder only takes long prompts: counting all its slots would pull short
-            # requests off the fair queue for the general decoders to hold. One slot lets a long one through.
-            free += min(slots, 1) if hb.pool == "long" else slots
-        return free
+        return sum(decoder_free_slots(hb.load.max_seqs, hb.load.active_seqs + hb.load.queued_requests,
+                                      mine.get(hb.worker_id, 0), hb.pool)
+                   for hb in self.registry.live("decode", now))
 
     async def _dispatch_loop(self) -> None:
         last_refresh = 0.0
@@ -483,7 +477,7 @@ class RouterService(Service):
                 break
             # A few at a time when many slots are free (one round trip to the server for several requests);
             # few enough that the fair scheduler still decides at a fine grain.
-            qmsgs = await self.wq.fetch(tenant, max(1, min(free // 2, DISPATCH_BATCH)))
+            qmsgs = await self.wq.fetch(tenant, dispatch_batch(free))
             if not qmsgs:
                 continue
             progressed = True
@@ -671,10 +665,8 @@ class RouterService(Service):
 
     @staticmethod
     def _view(hb: Heartbeat) -> WorkerView:
-        return WorkerView(
-            worker_id=hb.worker_id, role=hb.role, live=True,
-            active_seqs=hb.load.active_seqs, queued_prefill_tokens=hb.load.queued_prefill_tokens,
-            free_blocks=hb.load.free_blocks, total_blocks=hb.load.total_blocks,
-            used_blocks=hb.load.used_blocks, prefill_tokens_per_s=hb.load.prefill_tokens_per_s,
-            step_ms=hb.load.step_ms, pool=hb.pool,
-        )
+        ld = hb.load
+        return view_from_load(hb.worker_id, hb.role, hb.pool, active_seqs=ld.active_seqs,
+                              queued_prefill_tokens=ld.queued_prefill_tokens, free_blocks=ld.free_blocks,
+                              total_blocks=ld.total_blocks, used_blocks=ld.used_blocks,
+                              prefill_tokens_per_s=ld.prefill_tokens_per_s, step_ms=ld.step_ms)

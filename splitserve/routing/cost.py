@@ -155,17 +155,15 @@ class CostModel:
                     cbs[i] = nb
                     crs[i] = credit
                     work[i] -= credit * block_size
-        if any(w.prefill_tokens_per_s for w in workers):
-            speeds = sorted(w.prefill_tokens_per_s for w in workers if w.prefill_tokens_per_s)
+        rates = [w.prefill_tokens_per_s for w in workers]
+        if any(rates):
+            speeds = sorted(r for r in rates if r)
             ref = speeds[len(speeds) // 2]
-            work = [
-                x * ref / w.prefill_tokens_per_s if w.prefill_tokens_per_s else x
-                for x, w in zip(work, workers, strict=True)
-            ]
+            work = [x * ref / r if r else x for x, r in zip(work, rates, strict=True)]
         costs = out.cost = [x * per_token + dls * w.used_blocks for x, w in zip(work, workers, strict=True)]
         full_need = -(-prompt_tokens // block_size)
         for i, w in enumerate(workers):
-            if w.total_blocks and w.free_blocks < full_need:
+            if w.free_blocks < full_need and w.total_blocks:
                 uncached = prompt_tokens - cbs[i] * block_size
                 need = -(-uncached // block_size) if uncached > 0 else 0
                 if need > w.free_blocks:

@@ -1,0 +1,68 @@
+"""How the live router service builds its policy and paces dispatch - shared with the simulator.
+
+The router service (``services/router/service.py``) and the capacity-planning simulator (``splitserve.sim``)
+both call these, so a simulated router is built, fed and paced exactly as the live one:
+
+* :func:`build_router` - the :class:`Router` with the service's disaggregation rule and context pools;
+* :func:`view_from_load` - a heartbeat's load report -> the :class:`WorkerView` the policy decides on;
+* :func:`decoder_free_slots` / :func:`dispatch_batch` - how many queued requests dispatch may pull now.
+
+Pure and synchronous (no NATS, no clock).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from splitserve.cache.index import PrefixIndex
+from splitserve.routing.base import WorkerView
+from splitserve.routing.context import ContextPools
+from splitserve.routing.disagg import DisaggPolicy
+from splitserve.routing.router import Router
+
+__all__ = ["DEFAULT_DECODER_SLOTS", "DISPATCH_BATCH", "build_router", "decoder_free_slots", "dispatch_batch",
+           "live_disagg", "view_from_load"]
+
+DEFAULT_DECODER_SLOTS: Final = 16
+DISPATCH_BATCH: Final = 8  # most queue messages pulled from one tenant per scheduling decision
+
+
+def live_disagg(disagg_threshold: int = 512, max_stall_ms: float | None = 100.0,
+                decoder_prefill_tps: float = 400.0) -> DisaggPolicy:
+    # Direct prefill on a decoder pauses its other streams: above this pause, use a prefiller instead.
+    return DisaggPolicy(min_uncached_tokens=disagg_threshold, max_stall_ms=max_stall_ms,
+                        decoder_prefill_tokens_per_s=decoder_prefill_tps)
+
+
+def build_router(strategy: str, disagg: DisaggPolicy, index: PrefixIndex, long_prompt_tokens: int = 2048) -> Router:
+    """The router service's policy object (one per router process)."""
+    return Router(strategy=strategy, disagg=disagg, index=index,
+                  context=ContextPools(long_prompt_tokens=long_prompt_tokens))
+
+
+def view_from_load(worker_id: str, role: str, pool: str, *, active_seqs: int, queued_prefill_tokens: int,
+                   free_blocks: int, total_blocks: int, used_blocks: int, prefill_tokens_per_s: float | None,
+                   step_ms: float | None) -> WorkerView:
+    """A heartbeat's load -> the policy's view of that worker (the fields the router decides on)."""
+    return WorkerView(
+        worker_id=worker_id, role=role, live=True, active_seqs=active_seqs,
+        queued_prefill_tokens=queued_prefill_tokens, free_blocks=free_blocks, total_blocks=total_blocks,
+        used_blocks=used_blocks, prefill_tokens_per_s=prefill_tokens_per_s, step_ms=step_ms, pool=pool,
+    )
+
+
+def decoder_free_slots(max_seqs: int | None, reported: int, mine: int, pool: str) -> int:
+    """Decode slots one decoder offers dispatch: its batch size (plus a little, so it never idles between one
+    request finishing and the next arriving) less what it runs (``reported``: active + queued in its last
+    heartbeat) or this router sent it (``mine``)."""
+    cap = max_seqs or DEFAULT_DECODER_SLOTS
+    slots = max(0, cap + max(1, cap // 4) - max(mine, reported))
+    # A long-context decoder only takes long prompts: counting all its slots would pull short requests off the
+    # fair queue for the general decoders to hold. One slot lets a long one through.
+    return min(slots, 1) if pool == "long" else slots
+
+
+def dispatch_batch(free: int) -> int:
+    """Requests to pull from the chosen tenant at once: a few when many slots are free (one round trip for
+    several), few enough that the fair scheduler still decides at a fine grain."""
+    return max(1, min(free // 2, DISPATCH_BATCH))

@@ -1,0 +1,272 @@
+"""``splitserve sim``: run the capacity-planning simulator from the command line.
+
+    splitserve sim run  --trace azure-conv --limit 2000 --rate-factor 4 --prefill 2 --decode 6 [--plots DIR] [--json]
+    splitserve sim plan --trace mooncake --limit 1000 --sizes 2-8 --ttft-slo 2 --tpot-slo 0.1 [--json]
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+
+sim_app = typer.Typer(no_args_is_help=True, help="capacity planning: simulate a cluster running the live policies")
+
+
+@dataclass
+class _Base:
+    trace: str
+    limit: int | None
+    rate_factor: float
+    rate: float
+    model: str
+    latency: str
+    decode_latency: str | None
+    tp: int
+    fabric: str
+    kv_tokens: int | None
+    max_seqs: int
+    chunked: bool
+    strategy: str
+    disagg_threshold: int
+    max_stall_ms: float
+    long_decode: int
+    tenants: str | None
+    ttft_slo: float
+    tpot_slo: float
+    attainment: float
+    seed: int
+
+
+def _fail(msg: str) -> None:
+    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def _load(b: _Base) -> list[Any]:
+    from splitserve.sim.workload import WorkloadError, load_sharegpt, load_trace, scale_rate
+
+    try:
+        if b.trace == "sharegpt" or b.trace.endswith("sharegpt_8k_filtered_stats_llama2_tokenizer.csv"):
+            reqs = load_sharegpt(b.trace, b.limit, rate=b.rate, seed=b.seed)
+        else:
+            reqs = load_trace(b.trace, b.limit)
+        if not reqs:
+            _fail(f"trace {b.trace!r} has no requests")
+        return scale_rate(reqs, b.rate_factor)
+    except (WorkloadError, OSError) as exc:
+        _fail(str(exc))
+    raise AssertionError
+
+
+def _config(b: _Base, prefill: int, decode: int) -> Any:
+    from splitserve.sim.cluster import SimConfig
+    from splitserve.sim.latency import latency_model
+
+    try:
+        latency_model(b.latency)
+        if b.decode_latency:
+            latency_model(b.decode_latency)
+        from splitserve.sim.fabric import fabric, model_spec
+
+        fabric(b.fabric)
+        model_spec(b.model)
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+    return SimConfig(prefill=prefill, decode=decode, long_decode=b.long_decode, model=b.model,
+                     prefill_latency=b.latency, decode_latency=b.decode_latency, fabric=b.fabric,
+                     gpus_per_prefill=b.tp, gpus_per_decode=b.tp, kv_tokens=b.kv_tokens, max_seqs=b.max_seqs,
+                     chunked_prefill=b.chunked, strategy=b.strategy, disagg_threshold=b.disagg_threshold,
+                     max_stall_ms=None if b.max_stall_ms < 0 else b.max_stall_ms, tenants_file=b.tenants,
+                     ttft_slo_s=b.ttft_slo, tpot_slo_s=b.tpot_slo, attainment=b.attainment, seed=b.seed)
+
+
+def _base(trace: str, limit: int | None, rate_factor: float, rate: float, model: str, latency: str,
+          decode_latency: str | None, tp: int, fabric: str, kv_tokens: int | None, max_seqs: int, chunked: bool,
+          strategy: str, disagg_threshold: int, max_stall_ms: float, long_decode: int, tenants: str | None,
+          ttft_slo: float, tpot_slo: float, attainment: float, seed: int) -> _Base:
+    from splitserve.routing import available
+
+    if strategy not in available():
+        _fail(f"unknown strategy {strategy!r}; available: {', '.join(available())}")
+    if rate_factor <= 0:
+        _fail("--rate-factor must be positive")
+    return _Base(trace, limit, rate_factor, rate, model, latency, decode_latency, tp, fabric, kv_tokens, max_seqs,
+                 chunked, strategy, disagg_threshold, max_stall_ms, long_decode, tenants, ttft_slo, tpot_slo,
+                 attainment, seed)
+
+
+TraceOpt = typer.Option("azure-conv", "--trace",
+                        help="mooncake | azure-conv | azure-code | sharegpt | a .jsonl/.csv file")
+LimitOpt = typer.Option(None, "--limit", help="first N requests of the trace")
+RateFactorOpt = typer.Option(1.0, "--rate-factor", help="multiply the trace's arrival rate")
+RateOpt = typer.Option(1.0, "--rate", help="ShareGPT (lengths only): Poisson arrivals, req/s")
+ModelOpt = typer.Option("llama2-70b", "--model", help="KV bytes per token and memory: opt-13b, llama2-70b, ...")
+LatencyOpt = typer.Option("splitwise:llama2-70b:h100:tp8", "--latency",
+                          help="distserve:MODEL:tpN | splitwise:MODEL:GPU:tpN | a saved calibration JSON")
+DecodeLatencyOpt = typer.Option(None, "--decode-latency", help="decoders' model (default: --latency)")
+TpOpt = typer.Option(8, "--gpus-per-worker", help="GPUs per worker (cost and KV memory)")
+FabricOpt = typer.Option("efa", "--fabric", help="nvlink | nvlink-h100 | efa | tcp100 | local")
+KvOpt = typer.Option(None, "--kv-tokens", help="KV capacity per worker (default: GPU memory left after weights)")
+MaxSeqsOpt = typer.Option(256, "--max-seqs", help="most sequences a decoder runs at once")
+ChunkOpt = typer.Option(True, "--chunked/--no-chunked", help="chunked prefill on decoders")
+StrategyOpt = typer.Option("kvaware", "--strategy")
+ThresholdOpt = typer.Option(512, "--disagg-threshold")
+StallOpt = typer.Option(100.0, "--max-stall-ms", help="the live router's stall rule (negative: off)")
+LongOpt = typer.Option(0, "--long-decode", help="long-context decoders")
+TenantsOpt = typer.Option(None, "--tenants", help="a tenants file (weights and quotas)")
+TtftOpt = typer.Option(1.0, "--ttft-slo", help="seconds")
+TpotOpt = typer.Option(0.1, "--tpot-slo", help="seconds per output token")
+AttOpt = typer.Option(0.9, "--attainment", help="share of requests that must meet each SLO")
+SeedOpt = typer.Option(0, "--seed")
+
+
+@sim_app.command("run")
+def run_cmd(
+    prefill: int = typer.Option(1, "--prefill", min=0, help="prefill workers (0: colocated)"),
+    decode: int = typer.Option(1, "--decode", min=0),
+    rates: str | None = typer.Option(None, "--rates", help="also sweep these rate factors (goodput vs rate)"),
+    plots: Path | None = typer.Option(None, "--plots", help="write PNG plots to this folder"),
+    as_json: bool = typer.Option(False, "--json"),
+    trace: str = TraceOpt, limit: int | None = LimitOpt, rate_factor: float = RateFactorOpt, rate: float = RateOpt,
+    model: str = ModelOpt, latency: str = LatencyOpt, decode_latency: str | None = DecodeLatencyOpt, tp: int = TpOpt,
+    fabric: str = FabricOpt, kv_tokens: int | None = KvOpt, max_seqs: int = MaxSeqsOpt, chunked: bool = ChunkOpt,
+    strategy: str = StrategyOpt, disagg_threshold: int = ThresholdOpt, max_stall_ms: float = StallOpt,
+    long_decode: int = LongOpt, tenants: str | None = TenantsOpt, ttft_slo: float = TtftOpt,
+    tpot_slo: float = TpotOpt, attainment: float = AttOpt, seed: int = SeedOpt,
+) -> None:
+    """Simulate one deployment on a trace: latency percentiles, SLO attainment, goodput, utilisation."""
+    from splitserve.sim.cluster import simulate
+    from splitserve.sim.planner import rate_sweep
+
+    b = _base(trace, limit, rate_factor, rate, model, latency, decode_latency, tp, fabric, kv_tokens, max_seqs,
+              chunked, strategy, disagg_threshold, max_stall_ms, long_decode, tenants, ttft_slo, tpot_slo,
+              attainment, seed)
+    if decode + long_decode < 1:
+        _fail("the cluster needs at least one decoder (--decode or --long-decode)")
+    reqs = _load(b)
+    cfg = _config(b, prefill, decode)
+    try:
+        res = simulate(cfg, reqs)
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+    curve = None
+    if rates:
+        try:
+            factors = [float(x) for x in rates.split(",") if x.strip()]
+        except ValueError:
+            _fail(f"--rates must be comma-separated numbers, not {rates!r}")
+        curve = rate_sweep(cfg, reqs, factors)
+    out = res.to_dict()
+    if len(res.summary["utilisation"]["per_worker"]) > 64:  # thousands of rows help nobody on a terminal
+        out["utilisation"] = {k: v for k, v in out["utilisation"].items() if k != "per_worker"}
+    if curve is not None:
+        out["goodput_vs_rate"] = curve
+    if plots is not None:
+        from splitserve.sim.plots import plot_all
+
+        label = f"{prefill}P:{decode}D {strategy}"
+        try:
+            out["plots"] = [str(p) for p in plot_all(res, plots, {label: curve} if curve else None, label)]
+        except RuntimeError as exc:
+            _fail(str(exc))
+    if as_json:
+        typer.echo(json.dumps(out, default=float))
+        return
+    _print_summary(res.summary, cfg.gpus)
+    if curve:
+        typer.echo("goodput vs rate:")
+        for r in curve:
+            typer.echo(f"  {r['rate_rps']:8.3f} req/s -> goodput {r['goodput_rps']:8.3f} req/s  SLO met {r['met']}")
+    for p in out.get("plots", []):
+        typer.echo(f"plot: {p}")
+
+
+def _fmt(d: dict[str, Any], unit: float = 1000.0) -> str:
+    if not d.get("n"):
+        return "-"
+    return f"p50 {d['p50'] * unit:9.1f}  p90 {d['p90'] * unit:9.1f}  p99 {d['p99'] * unit:9.1f} ms"
+
+
+def _print_summary(s: dict[str, Any], gpus: int) -> None:
+    typer.echo(f"requests {s['requests']} (finished {s['finished']}, refused {s['refused']}, failed {s['failed']}) "
+               f"at {s['rate_rps']:.3f} req/s on {gpus} GPUs; simulated {s['sim_s']:.1f} s")
+    typer.echo(f"TTFT  {_fmt(s['ttft_s'])}")
+    typer.echo(f"ITL   {_fmt(s['itl_s'])}")
+    typer.echo(f"TPOT  {_fmt(s['tpot_s'])}")
+    typer.echo(f"e2e   {_fmt(s['e2e_s'])}")
+    slo = s["slo"]
+    typer.echo(f"SLO TTFT<={slo['ttft_s']}s: {slo['ttft_ok']:.1%}  TPOT<={slo['tpot_s']}s: {slo['tpot_ok']:.1%}  "
+               f"met at {slo['attainment']:.0%}: {slo['met']}  goodput {s['goodput_rps']:.3f} req/s "
+               f"({s['goodput_per_gpu_rps']:.4f} per GPU)")
+    u = s["utilisation"]
+    typer.echo(f"routes {s['routes']}  cache hit {s['cache_hit_ratio']:.1%}  "
+               f"KV moved {s['kv_bytes_moved'] / 1e9:.1f} GB  "
+               f"utilisation prefill {u['prefill']:.1%} decode {u['decode']:.1%}")
+
+
+def _sizes(spec: str) -> list[int]:
+    out: list[int] = []
+    try:
+        for part in spec.split(","):
+            if "-" in part:
+                a, b = part.split("-")
+                out.extend(range(int(a), int(b) + 1))
+            elif part.strip():
+                out.append(int(part))
+    except ValueError:
+        _fail(f"--sizes takes counts like 2-8 or 2,4,8, not {spec!r}")
+    if not out or min(out) < 1:
+        _fail("--sizes must name worker counts >= 1")
+    return out
+
+
+@sim_app.command("plan")
+def plan_cmd(
+    sizes: str = typer.Option("2-8", "--sizes", help="worker counts to try (e.g. 2-8 or 4,8,16)"),
+    strategies: str = typer.Option("kvaware", "--strategies", help="comma-separated"),
+    thresholds: str = typer.Option("512", "--thresholds", help="disaggregation thresholds, comma-separated"),
+    colocated: bool = typer.Option(True, "--colocated/--no-colocated", help="also try 0 prefillers"),
+    as_json: bool = typer.Option(False, "--json"),
+    trace: str = TraceOpt, limit: int | None = LimitOpt, rate_factor: float = RateFactorOpt, rate: float = RateOpt,
+    model: str = ModelOpt, latency: str = LatencyOpt, decode_latency: str | None = DecodeLatencyOpt, tp: int = TpOpt,
+    fabric: str = FabricOpt, kv_tokens: int | None = KvOpt, max_seqs: int = MaxSeqsOpt, chunked: bool = ChunkOpt,
+    max_stall_ms: float = StallOpt, long_decode: int = LongOpt, tenants: str | None = TenantsOpt,
+    ttft_slo: float = TtftOpt, tpot_slo: float = TpotOpt, attainment: float = AttOpt, seed: int = SeedOpt,
+) -> None:
+    """Sweep P:D splits (and strategies, thresholds) and print the cheapest configuration meeting the SLO."""
+    from splitserve.routing import available
+    from splitserve.sim.planner import plan
+
+    strats = [s.strip() for s in strategies.split(",") if s.strip()]
+    bad = [s for s in strats if s not in available()]
+    if bad or not strats:
+        _fail(f"unknown strategies {bad}; available: {', '.join(available())}")
+    try:
+        ths = [int(x) for x in thresholds.split(",") if x.strip()]
+    except ValueError:
+        _fail(f"--thresholds must be integers, not {thresholds!r}")
+    b = _base(trace, limit, rate_factor, rate, model, latency, decode_latency, tp, fabric, kv_tokens, max_seqs,
+              chunked, strats[0], ths[0], max_stall_ms, long_decode, tenants, ttft_slo, tpot_slo, attainment, seed)
+    reqs = _load(b)
+    p = plan(_config(b, 1, 1), reqs, sizes=_sizes(sizes), strategies=strats, thresholds=ths, colocated=colocated)
+    if as_json:
+        typer.echo(json.dumps(p.to_dict(), default=float))
+    else:
+        typer.echo(f"{'P':>3} {'D':>3} {'GPUs':>5} {'strategy':>11} {'thresh':>7} {'TTFT ok':>8} {'TPOT ok':>8} "
+                   f"{'goodput':>9}  met")
+        for r in p.rows:
+            typer.echo(f"{r['prefill']:>3} {r['decode']:>3} {r['gpus']:>5} {r['strategy']:>11} "
+                       f"{r['disagg_threshold']:>7} "
+                       f"{r['ttft_ok']:>8.1%} {r['tpot_ok']:>8.1%} {r['goodput_rps']:>9.3f}  {r['met']}")
+        if p.best is None:
+            typer.echo("no configuration in the sweep meets the SLO: try larger --sizes")
+        else:
+            bb = p.best
+            typer.echo(f"cheapest: {bb['prefill']} prefill + {bb['decode']} decode workers ({bb['gpus']} GPUs), "
+                       f"{bb['strategy']}, threshold {bb['disagg_threshold']}: goodput {bb['goodput_rps']:.3f} req/s")
+    if p.best is None:
+        raise typer.Exit(1)

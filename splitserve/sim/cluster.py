@@ -1,0 +1,393 @@
+"""The simulated cluster: workers, the live routing policy driven as the router service drives it, metrics.
+
+:class:`SimConfig` says what to simulate; :func:`simulate` runs it and returns a :class:`~.metrics.SimResult`.
+
+The router side is the live code, unchanged (see :mod:`splitserve.routing.live`):
+
+* the :class:`~splitserve.routing.Router` built by ``build_router`` with the service's ``DisaggPolicy`` and
+  ``ContextPools``, deciding on :class:`WorkerView` s made by ``view_from_load`` from simulated heartbeats
+  (every ``heartbeat_s``, staggered per worker), in the order the live registry lists them;
+* ``router.release(rid, worker)`` when a worker's heartbeat lists a request it was sent, ``release(rid)``
+  when it finishes (the pending-load ledger of ``cost.py``/``pending.py``);
+* ``router.apply_events`` with each worker's KV event batches (:mod:`splitserve.cache.events`), delivered
+  after ``bus_delay_s``, into the router's :class:`~splitserve.cache.index.PrefixIndex` replica;
+* the :class:`~splitserve.tenancy.quota.QuotaBook` at intake (check / admit / finish) and the
+  :class:`~splitserve.tenancy.fairshare.FairScheduler` at dispatch (pick / charge / settle), with dispatch
+  paced by the decoders' free slots exactly as the service paces it.
+
+Colocated mode is ``prefill=0`` (every prompt prefilled on its decoder, chunked by default).
+``record=True`` keeps the router's inputs and decisions (:attr:`Sim.log`) for the live-equivalence test.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from splitserve.cache.events import KvEventBatch
+from splitserve.cache.index import PrefixIndex
+from splitserve.routing import NoWorkers, RoutingRequest, WorkerView
+from splitserve.routing.live import build_router, decoder_free_slots, dispatch_batch, live_disagg, view_from_load
+from splitserve.sim.clock import EventLoop
+from splitserve.sim.fabric import fabric, model_spec
+from splitserve.sim.latency import StepFit, latency_model
+from splitserve.sim.metrics import SimResult, collect
+from splitserve.sim.workers import DecodeWorker, PrefillWorker, Seq
+from splitserve.sim.workload import SimRequest
+from splitserve.tenancy.config import TenantsConfig, load_tenants
+from splitserve.tenancy.fairshare import FairScheduler
+from splitserve.tenancy.quota import QuotaBook
+
+__all__ = ["Sim", "SimConfig", "simulate"]
+
+
+@dataclass
+class SimConfig:
+    """One simulated deployment. Latency models are names (see :func:`splitserve.sim.latency.latency_model`)
+    or :class:`StepFit` objects; ``decode_latency`` defaults to ``prefill_latency``."""
+
+    prefill: int = 1
+    decode: int = 1
+    long_decode: int = 0  # decoders of the ``long`` context pool
+    model: str = "llama2-70b"
+    prefill_latency: str | StepFit = "splitwise:llama2-70b:h100:tp8"
+    decode_latency: str | StepFit | None = None
+    fabric: str = "efa"
+    gpus_per_prefill: int = 8  # for cost: GPUs one prefill worker uses (its TP degree)
+    gpus_per_decode: int = 8
+    kv_tokens: int | None = None  # KV capacity per worker in tokens (None: from the GPU memory and the model)
+    gpu_mem_gb: float = 80.0
+    block_size: int = 16
+    max_seqs: int = 256
+    decode_token_budget: int = 2048  # tokens per decoder step (decodes + prefill chunks)
+    chunked_prefill: bool = True
+    fused_steps: bool = True  # a prefill chunk rides in the decode step's pass (vLLM); False: separate passes
+    prefill_token_budget: int = 8192
+    # the live router's settings (RouterService defaults)
+    strategy: str = "kvaware"
+    disagg_threshold: int = 512
+    max_stall_ms: float | None = 100.0
+    decoder_prefill_tps: float = 400.0
+    long_prompt_tokens: int = 2048
+    queue: bool = True  # False: dispatch at intake (the service's --no-queue)
+    tenants_file: str | None = None
+    heartbeat_s: float = 0.5
+    bus_delay_s: float = 0.0005
+    # SLO
+    ttft_slo_s: float = 1.0
+    tpot_slo_s: float = 0.1
+    attainment: float = 0.9
+    seed: int = 0
+    record: bool = False
+    util_buckets: int = 100
+
+    def describe(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("prefill_latency", "decode_latency"):
+            v = getattr(self, k)
+            d[k] = v.name if isinstance(v, StepFit) else v
+        return d
+
+    @property
+    def gpus(self) -> int:
+        return self.prefill * self.gpus_per_prefill + (self.decode + self.long_decode) * self.gpus_per_decode
+
+
+_WEIGHTS_GB = {"opt-13b": 26, "opt-66b": 132, "llama2-70b": 140, "llama-3.1-8b": 16, "llama-3.3-70b": 141,
+               "bloom-176b": 352, "smollm2-135m": 0.6}
+
+
+def _fit(v: str | StepFit) -> StepFit:
+    return v if isinstance(v, StepFit) else latency_model(v)
+
+
+class Sim:
+    def __init__(self, cfg: SimConfig, requests: Sequence[SimRequest]) -> None:
+        if cfg.decode + cfg.long_decode < 1:
+            raise ValueError("the cluster needs at least one decoder")
+        if cfg.prefill < 0 or cfg.decode < 0:
+            raise ValueError("worker counts must be >= 0")
+        self.cfg = cfg
+        self.requests = list(requests)
+        self.loop = EventLoop()
+        self.rng = random.Random(cfg.seed)
+        spec = model_spec(cfg.model)
+        self.spec = spec
+        self.fabric = fabric(cfg.fabric)
+        self.kv_bpt = spec.kv_bytes_per_token
+        pfit = _fit(cfg.prefill_latency)
+        dfit = _fit(cfg.decode_latency) if cfg.decode_latency is not None else pfit
+        bs = cfg.block_size
+
+        def blocks(gpus: int) -> int:
+            if cfg.kv_tokens is not None:
+                return cfg.kv_tokens // bs
+            free = max(0.0, (cfg.gpu_mem_gb * gpus - _WEIGHTS_GB.get(cfg.model, 0)) * 0.9) * 1e9
+            return int(free / self.kv_bpt) // bs
+
+        self.decoders: list[DecodeWorker] = []
+        for i in range(cfg.decode + cfg.long_decode):
+            pool = "long" if i >= cfg.decode else "general"
+            w = DecodeWorker(f"d{i}" if pool == "general" else f"ld{i - cfg.decode}", dfit,
+                             blocks(cfg.gpus_per_decode), bs, self, max_seqs=cfg.max_seqs,
+                             token_budget=cfg.decode_token_budget, chunked=cfg.chunked_prefill, pool=pool,
+                             fused=cfg.fused_steps)
+            self.decoders.append(w)
+        self.prefillers = [PrefillWorker(f"p{i}", pfit, blocks(cfg.gpus_per_prefill), bs, self,
+                                         token_budget=cfg.prefill_token_budget, kv_bytes_per_token=self.kv_bpt)
+                           for i in range(cfg.prefill)]
+        self.workers: list[DecodeWorker | PrefillWorker] = [*self.decoders, *self.prefillers]
+        self.by_id = {w.wid: w for w in self.workers}
+
+        # --- the live router's objects --------------------------------------------------------------------
+        self.index = PrefixIndex()
+        self.disagg = live_disagg(cfg.disagg_threshold, cfg.max_stall_ms, cfg.decoder_prefill_tps)
+        self.router = build_router(cfg.strategy, self.disagg, self.index, cfg.long_prompt_tokens)
+        self.tenants = load_tenants(cfg.tenants_file) if cfg.tenants_file else TenantsConfig.open_mode()
+        self.quota = QuotaBook(self.tenants)
+        self.fair = FairScheduler(self.tenants.weight)
+        # heartbeat-derived state, in the live registry's order (decoders, then prefillers; first heard first)
+        self.views: list[WorkerView] = []
+        self._pos: dict[str, int] = {}
+        self._reported: dict[str, int] = {}  # decoder -> active + queued in its last heartbeat
+        self._mine: dict[str, int] = {}  # decoder -> requests this router sent it and that have not finished
+        self._slots: dict[str, int] = {}
+        self.free_slots = 0
+        self.queues: dict[str, deque[SimRequest]] = {}
+        self.pending: dict[str, int] = {}
+        self.inflight: dict[str, Seq] = {}
+        self.done: list[Seq] = []
+        self.refused: list[tuple[SimRequest, str]] = []
+        self.failed: list[tuple[SimRequest, str]] = []
+        self.kv_bytes = 0
+        self.log: list[tuple[Any, ...]] = []
+        self.itl = array("d")
+        self.itl_by_kind: dict[str, array[float]] = {}
+        self.horizon = max((r.arrival_s for r in self.requests), default=0.0) + 1.0
+        nb = max(1, cfg.util_buckets)
+        self.util_dt = self.horizon / nb
+        self.util = {"prefill": [0.0] * (nb + 1), "decode": [0.0] * (nb + 1)}
+
+    # ------------------------------------------------------------------------------------------ heartbeats
+    def _heartbeat(self, w: DecodeWorker | PrefillWorker, schedule: bool = True) -> None:
+        now = self.loop.now
+        active, queued, qtokens = w.load()
+        cache = w.cache
+        pool = w.pool if w.role == "decode" else "general"
+        step = round(w.step_ms_ema, 2) if (w.role == "decode" and w.step_ms_ema is not None) else None
+        rate = round(w.rate, 1)
+        view = view_from_load(w.wid, w.role, pool, active_seqs=active, queued_prefill_tokens=qtokens,
+                              free_blocks=max(0, cache.free), total_blocks=cache.total, used_blocks=cache.used,
+                              prefill_tokens_per_s=rate, step_ms=step)
+        ids = w.active_ids()
+        if self.cfg.record:
+            self.log.append(("hb", now, w.wid, w.role, pool, {
+                "active_seqs": active, "queued_requests": queued, "queued_prefill_tokens": qtokens,
+                "free_blocks": max(0, cache.free), "total_blocks": cache.total, "used_blocks": cache.used,
+                "prefill_tokens_per_s": rate, "step_ms": step,
+                "max_seqs": w.max_seqs if isinstance(w, DecodeWorker) else None}, list(ids)))
+        pos = self._pos.get(w.wid)
+        if pos is None:
+            self._register(w, view)
+        else:
+            self.views[pos] = view
+        release = self.router.release
+        inflight = self.inflight
+        for rid in ids:
+            if rid in inflight:
+                release(rid, w.wid)
+        if isinstance(w, DecodeWorker):
+            self._reported[w.wid] = active + queued
+            self._update_slots(w.wid)
+        if schedule:
+            self.loop.after(self.cfg.heartbeat_s, self._hb_event, w)
+        self._dispatch()
+
+    def _hb_event(self, w: DecodeWorker | PrefillWorker) -> None:
+        self._heartbeat(w)
+
+    def _register(self, w: DecodeWorker | PrefillWorker, view: WorkerView) -> None:
+        # live: registry.live("decode") + registry.live("prefill"), each in first-heard order
+        if w.role == "decode":
+            at = sum(1 for v in self.views if v.role == "decode")
+            self.views.insert(at, view)
+        else:
+            self.views.append(view)
+        self._pos = {v.worker_id: i for i, v in enumerate(self.views)}
+
+    def _update_slots(self, wid: str) -> None:
+        w = self.by_id[wid]
+        if wid not in self._pos:
+            return
+        new = decoder_free_slots(w.max_seqs, self._reported.get(wid, 0), self._mine.get(wid, 0),  # type: ignore[union-attr]
+                                 w.pool)
+        self.free_slots += new - self._slots.get(wid, 0)
+        self._slots[wid] = new
+
+    # ------------------------------------------------------------------------------------------ KV events
+    def publish_kv(self, batch: KvEventBatch) -> None:
+        self.loop.after(self.cfg.bus_delay_s, self._kv_arrive, batch)
+
+    def _kv_arrive(self, batch: KvEventBatch) -> None:
+        if self.cfg.record:
+            self.log.append(("kv", self.loop.now, batch.to_dict()))
+        self.router.apply_events(batch)
+
+    # ------------------------------------------------------------------------------------------ requests
+    def _arrive(self, r: SimRequest) -> None:
+        now = self.loop.now
+        q = self.queues.get(r.tenant)
+        queued = len(q) if q else 0
+        refusal = self.quota.check(r.tenant, r.prompt_tokens, r.output_tokens, queued, now)
+        if refusal is not None:
+            self.refused.append((r, refusal.code))
+            return
+        self.quota.admit(r.tenant, r.request_id, r.prompt_tokens, r.output_tokens, now)
+        if not self.cfg.queue:
+            self._route(r)
+            return
+        if q is None:
+            q = self.queues[r.tenant] = deque()
+        q.append(r)
+        self.pending[r.tenant] = len(q)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        if not self.cfg.queue:
+            return
+        pending = self.pending
+        while self.free_slots > 0:
+            tenant = self.fair.pick(pending)
+            if tenant is None:
+                return
+            q = self.queues[tenant]
+            for _ in range(min(dispatch_batch(self.free_slots), len(q))):
+                self._route(q.popleft())
+            pending[tenant] = len(q)
+
+    def _route(self, r: SimRequest) -> None:
+        now = self.loop.now
+        cfg = self.cfg
+        hashes = r.hashes(cfg.block_size)
+        rreq = RoutingRequest(request_id=r.request_id, tenant=r.tenant, block_hashes=hashes,
+                              prompt_tokens=r.prompt_tokens, session_key=r.session)
+        try:
+            d = self.router.decide(rreq, self.views, now)
+        except NoWorkers as exc:
+            self.failed.append((r, str(exc)))
+            self.quota.finish(r.tenant, r.request_id, None, now)
+            return
+        if cfg.record:
+            self.log.append(("route", now, r.request_id, r.tenant, r.token_ids, r.output_tokens, d.to_dict()))
+        charge = r.prompt_tokens + r.output_tokens
+        self.fair.charge(r.tenant, charge)
+        s = Seq(r, route=d.route, decoder=d.decoder, prefiller=d.prefiller, hashes=hashes, dispatched_s=now,
+                charged=charge)
+        s.decoder_cached = d.cached_tokens
+        self.inflight[r.request_id] = s
+        self._mine[d.decoder] = self._mine.get(d.decoder, 0) + 1
+        self._update_slots(d.decoder)
+        if d.prefiller is not None:
+            self.loop.after(cfg.bus_delay_s, self._to_prefiller, s)
+        else:
+            self.loop.after(cfg.bus_delay_s, self._to_decoder, s)
+
+    def _to_prefiller(self, s: Seq) -> None:
+        self.by_id[s.prefiller].submit(s)  # type: ignore[index,union-attr]
+
+    def _to_decoder(self, s: Seq) -> None:
+        self.by_id[s.decoder].submit_direct(s)  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------------------------------------ worker callbacks
+    def transfer_s(self, s: Seq, nbytes: int, compute_s: float) -> float:
+        self.kv_bytes += nbytes
+        return self.fabric.transfer_s(nbytes, compute_s, self.spec.layers) + self.cfg.bus_delay_s
+
+    def kv_landed(self, s: Seq) -> None:
+        # The prefiller's first token reaches the client with the KV hand-off.
+        now = self.loop.now
+        s.route = "disaggregated"
+        s.first_token_s = now
+        s.last_token_s = now
+        s.left = s.req.output_tokens - 1
+        if s.left <= 0:
+            s.finish_s = now
+            self.finished(s)
+            return
+        self.by_id[s.decoder].submit_landed(s)  # type: ignore[union-attr]
+
+    def first_token(self, s: Seq) -> None:
+        s.first_token_s = self.loop.now
+
+    def token(self, s: Seq, gap: float) -> None:
+        self.itl.append(gap)
+        k = s.req.kind
+        if k:
+            arr = self.itl_by_kind.get(k)
+            if arr is None:
+                arr = self.itl_by_kind[k] = array("d")
+            arr.append(gap)
+        s.itl_sum += gap
+        s.itls += 1
+        if gap > s.itl_max:
+            s.itl_max = gap
+
+    def finished(self, s: Seq) -> None:
+        now = self.loop.now
+        r = s.req
+        rid = r.request_id
+        self.inflight.pop(rid, None)
+        used = r.prompt_tokens + r.output_tokens
+        if self.cfg.record:
+            self.log.append(("fin", now, rid, r.tenant, r.prompt_tokens, r.output_tokens))
+        self.router.release(rid)
+        self.fair.settle(r.tenant, s.charged, used)
+        self.quota.finish(r.tenant, rid, used, now)
+        self._mine[s.decoder] -= 1
+        self._update_slots(s.decoder)
+        r.drop_hashes()
+        s.hashes = []
+        self.done.append(s)
+        self._dispatch()
+
+    def account(self, w: object, start: float, dur: float) -> None:
+        series = self.util["decode" if getattr(w, "role", "") == "decode" else "prefill"]
+        dt = self.util_dt
+        end = start + dur
+        i = int(start / dt)
+        while start < end and i < len(series):
+            edge = (i + 1) * dt
+            step = (edge if edge < end else end) - start
+            series[i] += step
+            start += step
+            i += 1
+
+    # ------------------------------------------------------------------------------------------ run
+    def run(self, max_sim_s: float | None = None) -> SimResult:
+        loop = self.loop
+        hb = self.cfg.heartbeat_s
+        for w in self.workers:  # everyone has announced itself before the first request (a warm cluster)
+            self._heartbeat(w, schedule=False)
+        n = len(self.workers)
+        for i, w in enumerate(self.workers):
+            loop.at(hb * (i + 1) / (n + 1), self._hb_event, w)
+        for r in self.requests:
+            loop.at(r.arrival_s, self._arrive, r)
+        total = len(self.requests)
+
+        def drained() -> bool:
+            return len(self.done) + len(self.refused) + len(self.failed) >= total
+
+        limit = max_sim_s if max_sim_s is not None else self.horizon * 20 + 600.0
+        loop.run(until=limit, stop=drained)
+        return collect(self)
+
+
+def simulate(cfg: SimConfig, requests: Sequence[SimRequest], max_sim_s: float | None = None) -> SimResult:
+    """Run one simulation and return its metrics."""
+    return Sim(cfg, requests).run(max_sim_s)
+

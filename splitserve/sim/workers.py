@@ -1,0 +1,480 @@
+"""Simulated engines: prefill workers and decode workers, their KV capacity, prefix caches and KV events.
+
+A worker is a step loop on the simulator's clock: when it has work and is idle it composes one batch, asks
+the latency model how long that batch takes, and applies the batch's effects when the step ends.
+
+* :class:`PrefillWorker` - FCFS batches of prompts up to a token budget (a prompt over the budget runs
+  alone), whole prompts per step (prefill-only engines need no chunking). Its prefix cache saves the cached
+  part of a prompt; each finished prompt's KV is pushed to the decoder over the fabric.
+* :class:`DecodeWorker` - continuous batching: every running stream gets one token per step; requests routed
+  *direct* are prefilled locally, in chunks of the step's spare token budget riding along with the decodes
+  (chunked prefill, as vLLM and Sarathi do) or, with chunking off, as whole prompts in steps of their own
+  that pause every stream. Admission reserves KV blocks for the prompt's uncached part and the output
+  (no preemption), evicting least-recently-used unpinned prefix blocks when it must; a request that still
+  does not fit waits.
+
+Both keep a prefix cache of finished prompts' full blocks (LRU, sharing the KV pool) and publish vLLM-style
+KV event batches (:mod:`splitserve.cache.events`) with per-worker sequence numbers - the same structs the
+live router's index consumes. Loads for heartbeats are read off the worker by the cluster.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from splitserve.cache.events import BlockRemoved, BlockStored, KvEvent, KvEventBatch
+
+if TYPE_CHECKING:
+    from splitserve.sim.clock import EventLoop
+    from splitserve.sim.latency import StepFit
+    from splitserve.sim.workload import SimRequest
+
+__all__ = ["DecodeWorker", "PrefillWorker", "PrefixCache", "Seq"]
+
+
+@dataclass(slots=True)
+class Seq:
+    """One request's life in the cluster, and its measurements."""
+
+    req: SimRequest
+    route: str = "direct"
+    decoder: str = ""
+    prefiller: str | None = None
+    hashes: list[int] = field(default_factory=list)
+    dispatched_s: float = 0.0
+    prefill_start_s: float = -1.0
+    prefill_end_s: float = -1.0
+    first_token_s: float = -1.0
+    finish_s: float = -1.0
+    last_token_s: float = 0.0
+    cached_tokens: int = 0  # prompt tokens the computing worker already held
+    decoder_cached: int = 0  # prompt tokens the decoder held when routed (not transferred)
+    todo: int = 0  # prompt tokens left to compute (local prefill)
+    done: int = 0  # prompt tokens computed or cached (local prefill)
+    ctx: int = 0  # tokens in the KV (prompt + generated)
+    left: int = 0  # tokens still to generate
+    blocks: int = 0  # KV blocks reserved on the decoder
+    pinned: list[int] = field(default_factory=list)  # cached prefix blocks in use (not evictable)
+    kv_bytes: int = 0
+    alloc: int = 0  # tokens the reserved blocks can hold
+    recompute: bool = False  # preempted: its context is recomputed on readmission
+    itl_max: float = 0.0
+    itl_sum: float = 0.0
+    itls: int = 0
+    charged: int = 0
+
+
+class PrefixCache:
+    """A worker's KV pool in blocks: active sequences' blocks plus an LRU of reusable prefix blocks."""
+
+    __slots__ = ("total", "bs", "used", "lru", "pins", "events", "hits", "lookups", "evicted")
+
+    def __init__(self, total_blocks: int, block_size: int) -> None:
+        self.total = total_blocks
+        self.bs = block_size
+        self.used = 0  # blocks held by active sequences (not counting pinned cache blocks)
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.pins: dict[int, int] = {}
+        self.events: list[KvEvent] = []
+        self.hits = 0
+        self.lookups = 0
+        self.evicted = 0
+
+    @property
+    def free(self) -> int:
+        return self.total - self.used - len(self.lru)
+
+    def match(self, hashes: list[int]) -> int:
+        """Leading blocks of ``hashes`` held here."""
+        lru = self.lru
+        n = 0
+        for h in hashes:
+            if h not in lru:
+                break
+            n += 1
+        return n
+
+    def pin(self, hashes: list[int]) -> None:
+        pins, lru = self.pins, self.lru
+        for h in hashes:
+            pins[h] = pins.get(h, 0) + 1
+            lru.move_to_end(h)
+
+    def unpin(self, hashes: list[int]) -> None:
+        pins = self.pins
+        for h in hashes:
+            n = pins.get(h, 0) - 1
+            if n > 0:
+                pins[h] = n
+            else:
+                pins.pop(h, None)
+
+    def reserve(self, blocks: int) -> bool:
+        """Take ``blocks`` for a sequence, evicting unpinned prefix blocks if needed; False if impossible."""
+        if blocks > self.free and not self._evict(blocks - self.free):
+            return False
+        self.used += blocks
+        return True
+
+    def release(self, blocks: int) -> None:
+        self.used -= blocks
+
+    def _evict(self, need: int) -> bool:
+        lru, pins = self.lru, self.pins
+        if len(lru) - len(pins) < need:
+            return False
+        gone: list[int] = []
+        skipped: list[int] = []
+        while len(gone) < need and lru:
+            h, _ = lru.popitem(last=False)
+            if h in pins:
+                skipped.append(h)
+            else:
+                gone.append(h)
+        for h in reversed(skipped):
+            lru[h] = None
+            lru.move_to_end(h, last=False)
+        if gone:
+            self.events.append(BlockRemoved(gone))
+            self.evicted += len(gone)
+        return len(gone) >= need
+
+    def insert(self, hashes: list[int]) -> None:
+        """A finished prompt's full blocks become reusable prefix blocks (as much as fits)."""
+        if not hashes or self.total <= 0:
+            return
+        lru = self.lru
+        new = [h for h in hashes if h not in lru]
+        for h in hashes:
+            if h in lru:
+                lru.move_to_end(h)
+        if not new:
+            return
+        room = self.free
+        if room < len(new) and not self._evict(min(len(new) - room, len(lru) - len(self.pins))):
+            pass
+        room = self.free
+        if room <= 0:
+            return
+        new = new[:room]  # a chain's leading blocks are the reusable ones
+        for h in new:
+            lru[h] = None
+        self.events.append(BlockStored(new, block_size=self.bs))
+
+
+class _Worker:
+    role = "decode"
+
+    def __init__(self, wid: str, model: StepFit, kv_blocks: int, block_size: int, ctx: Cluster) -> None:
+        self.wid = wid
+        self.model = model
+        self.cache = PrefixCache(kv_blocks, block_size)
+        self.bs = block_size
+        self.c = ctx
+        self.busy = False
+        self.busy_s = 0.0
+        self.steps = 0
+        self.kv_seq = -1
+        self.step_ms_ema: float | None = None
+        self.pool = "general"
+
+    def flush_events(self) -> None:
+        ev = self.cache.events
+        if ev:
+            self.kv_seq += 1
+            self.cache.events = []
+            self.c.publish_kv(KvEventBatch(self.wid, self.kv_seq, self.c.loop.now * 1000.0, ev))
+
+    def _ran(self, dur: float) -> None:
+        self.busy_s += dur
+        self.steps += 1
+        self.c.account(self, self.c.loop.now, dur)
+
+
+class Cluster(Protocol):
+    """What a worker needs from the simulation around it (implemented by :class:`splitserve.sim.cluster.Sim`)."""
+
+    loop: EventLoop
+
+    def publish_kv(self, batch: KvEventBatch) -> None: ...
+    def account(self, w: object, start: float, dur: float) -> None: ...
+    def first_token(self, s: Seq) -> None: ...
+    def token(self, s: Seq, gap: float) -> None: ...
+    def finished(self, s: Seq) -> None: ...
+    def kv_landed(self, s: Seq) -> None: ...
+    def transfer_s(self, s: Seq, nbytes: int, compute_s: float) -> float: ...
+
+
+class PrefillWorker(_Worker):
+    role = "prefill"
+
+    def __init__(self, wid: str, model: StepFit, kv_blocks: int, block_size: int, ctx: Cluster, *,
+                 token_budget: int = 8192, kv_bytes_per_token: int = 0) -> None:
+        super().__init__(wid, model, kv_blocks, block_size, ctx)
+        self.q: deque[Seq] = deque()
+        self.batch: list[Seq] = []
+        self.token_budget = token_budget
+        self.kv_bpt = kv_bytes_per_token
+        self.queued_tokens = 0
+        self.rate = model.prefill_tokens_per_s()
+
+    def submit(self, s: Seq) -> None:
+        hit = self.cache.match(s.hashes)
+        s.cached_tokens = min(hit * self.bs, s.req.prompt_tokens - 1)
+        s.todo = s.req.prompt_tokens - s.cached_tokens
+        self.queued_tokens += s.todo
+        self.q.append(s)
+        if not self.busy:
+            self._step(None)
+
+    def _step(self, _: object) -> None:
+        loop = self.c.loop
+        if self.batch:
+            self._done(self.batch)
+            self.batch = []
+        if not self.q:
+            self.busy = False
+            self.flush_events()
+            return
+        batch = [self.q.popleft()]
+        tokens = batch[0].todo
+        while self.q and tokens + self.q[0].todo <= self.token_budget:
+            s = self.q.popleft()
+            tokens += s.todo
+            batch.append(s)
+        self.queued_tokens -= tokens
+        dur = self.model.prefill_ms([s.todo for s in batch]) / 1000.0
+        for s in batch:
+            s.prefill_start_s = loop.now
+        self.busy = True
+        self.batch = batch
+        self._ran(dur)
+        loop.after(dur, self._step)
+
+    def _done(self, batch: list[Seq]) -> None:
+        now = self.c.loop.now
+        for s in batch:
+            s.prefill_end_s = now
+            self.cache.insert(s.hashes)
+            compute = now - s.prefill_start_s
+            nbytes = self.kv_bpt * (s.req.prompt_tokens - s.decoder_cached)
+            s.kv_bytes = nbytes
+            self.c.loop.after(self.c.transfer_s(s, nbytes, compute), self.c.kv_landed, s)
+        self.flush_events()
+
+    def load(self) -> tuple[int, int, int]:
+        """(active sequences, queued requests, queued prefill tokens)."""
+        return len(self.batch), len(self.q), self.queued_tokens
+
+    def active_ids(self) -> list[str]:
+        return [s.req.request_id for s in self.batch] + [s.req.request_id for s in self.q]
+
+
+class DecodeWorker(_Worker):
+    role = "decode"
+
+    def __init__(self, wid: str, model: StepFit, kv_blocks: int, block_size: int, ctx: Cluster, *,
+                 max_seqs: int = 256, token_budget: int = 2048, chunked: bool = True, pool: str = "general",
+                 fused: bool = True) -> None:
+        super().__init__(wid, model, kv_blocks, block_size, ctx)
+        self.max_seqs = max_seqs
+        self.token_budget = token_budget
+        self.chunked = chunked
+        self.fused = fused
+        self.pool = pool
+        self.waiting: deque[Seq] = deque()  # direct requests and landed-KV requests waiting for admission
+        self.prefilling: list[Seq] = []
+        self.running: list[Seq] = []
+        self.step_batch: tuple[list[Seq], list[tuple[Seq, int]]] | None = None
+        self.queued_tokens = 0
+        self.ctx_sum = 0
+        self.rate = model.prefill_tokens_per_s()
+        self.preemptions = 0
+
+    # --- admission ---------------------------------------------------------------------------------------
+    def submit_direct(self, s: Seq) -> None:
+        s.route = "direct"
+        self.waiting.append(s)
+        self.queued_tokens += s.req.prompt_tokens
+        self._kick()
+
+    def submit_landed(self, s: Seq) -> None:
+        self.waiting.append(s)
+        self._kick()
+
+    def _kick(self) -> None:
+        if not self.busy:
+            self._step(None)
+
+    def _admit(self) -> None:
+        # Paged allocation as vLLM does it: a sequence is admitted with its prompt's blocks (plus one to
+        # grow into) and takes a block whenever its context crosses a block boundary; when none is left the
+        # youngest running sequence is preempted and later recomputed.
+        w = self.waiting
+        bs = self.bs
+        cache = self.cache
+        now = self.c.loop.now
+        while w and len(self.running) + len(self.prefilling) < self.max_seqs:
+            s = w[0]
+            p = s.req.prompt_tokens
+            if s.route == "direct" or s.recompute:
+                hit = 0 if s.recompute else cache.match(s.hashes)
+                total = s.ctx if s.recompute else p
+                need = -(-(total - hit * bs) // bs) + 1
+                if not cache.reserve(need):
+                    if self.running or self.prefilling:
+                        break
+                    need = max(0, cache.free)  # larger than the whole pool: run it degraded rather than never
+                    cache.reserve(need)
+                w.popleft()
+                if not s.recompute:
+                    self.queued_tokens -= p
+                    s.pinned = s.hashes[:hit]
+                    cache.pin(s.pinned)
+                    s.cached_tokens = min(hit * bs, p - 1)
+                    s.prefill_start_s = now
+                s.todo = total - (s.cached_tokens if not s.recompute else 0)
+                s.done = total - s.todo
+                s.blocks = need
+                s.alloc = (need + len(s.pinned)) * bs
+                self.prefilling.append(s)
+            else:
+                need = -(-p // bs) + 1
+                if not cache.reserve(need):
+                    if self.running or self.prefilling:
+                        break
+                    need = max(0, cache.free)
+                    cache.reserve(need)
+                w.popleft()
+                s.blocks = need
+                s.alloc = need * bs
+                s.ctx = p
+                self.ctx_sum += p
+                self.running.append(s)
+
+    def _grow(self, s: Seq) -> bool:
+        """``s`` needs one more block; preempt the youngest running sequences until it gets one.
+        False if ``s`` itself was preempted."""
+        cache = self.cache
+        while not cache.reserve(1):
+            victim = next((v for v in reversed(self.running) if v.left > 0 and not v.recompute), s)
+            if victim.recompute:
+                return False
+            self._preempt(victim)
+            if victim is s:
+                return False
+        s.blocks += 1
+        s.alloc += self.bs
+        return True
+
+    def _preempt(self, v: Seq) -> None:
+        self.running.remove(v)
+        self.ctx_sum -= v.ctx
+        self.cache.release(v.blocks)
+        self.cache.unpin(v.pinned)
+        v.pinned = []
+        v.blocks = 0
+        v.recompute = True
+        self.preemptions += 1
+        self.waiting.appendleft(v)
+
+    # --- the step loop -------------------------------------------------------------------------------------
+    def _step(self, _: object) -> None:
+        loop = self.c.loop
+        if self.step_batch is not None:
+            self._apply(*self.step_batch)
+            self.step_batch = None
+        self._admit()
+        chunks: list[tuple[Seq, int]] = []
+        if self.prefilling:
+            if self.chunked:
+                budget = max(1, self.token_budget - len(self.running))
+                for s in self.prefilling:
+                    if budget <= 0:
+                        break
+                    n = s.todo if s.todo < budget else budget
+                    chunks.append((s, n))
+                    budget -= n
+            else:
+                chunks = [(s, s.todo) for s in self.prefilling]
+        decodes = self.running if (self.chunked or not chunks) else []
+        if not chunks and not decodes:
+            self.busy = False
+            self.flush_events()
+            return
+        if chunks and not self.fused:
+            # an engine that runs a prefill chunk and a decode step as separate passes (the hf engine)
+            dur = self.model.chunk_ms([(n, s.done) for s, n in chunks]) + (
+                self.model.decode_ms(len(decodes), self.ctx_sum) if decodes else 0.0)
+        elif chunks:
+            dur = self.model.mixed_ms([(n, s.done) for s, n in chunks], len(decodes), self.ctx_sum if decodes else 0)
+        else:
+            dur = self.model.decode_ms(len(decodes), self.ctx_sum)
+        dur /= 1000.0
+        if decodes and not chunks:
+            e = self.step_ms_ema
+            self.step_ms_ema = dur * 1000.0 if e is None else 0.8 * e + 0.2 * dur * 1000.0
+        self.busy = True
+        self.step_batch = (list(decodes), chunks)
+        self._ran(dur)
+        loop.after(dur, self._step)
+
+    def _apply(self, decodes: list[Seq], chunks: list[tuple[Seq, int]]) -> None:
+        c = self.c
+        now = c.loop.now
+        finished: list[Seq] = []
+        for s in decodes:
+            if s.recompute:
+                continue  # preempted during this step's bookkeeping: its token is not produced
+            gap = now - s.last_token_s
+            s.last_token_s = now
+            s.ctx += 1
+            self.ctx_sum += 1
+            s.left -= 1
+            c.token(s, gap)
+            if s.left <= 0:
+                finished.append(s)
+            elif s.ctx >= s.alloc and not self._grow(s):
+                continue
+        for s, n in chunks:
+            s.todo -= n
+            s.done += n
+            if s.todo <= 0:
+                self.prefilling.remove(s)
+                if s.recompute:  # a preempted sequence is back: it resumes its stream
+                    s.recompute = False
+                    self.ctx_sum += s.ctx
+                    self.running.append(s)
+                    continue
+                s.prefill_end_s = now
+                s.ctx = s.req.prompt_tokens
+                self.ctx_sum += s.ctx
+                s.left = s.req.output_tokens - 1
+                s.last_token_s = now
+                c.first_token(s)
+                if s.left <= 0:
+                    finished.append(s)
+                else:
+                    self.running.append(s)
+        if finished:
+            done = set(map(id, finished))
+            self.running = [s for s in self.running if id(s) not in done]
+            for s in finished:
+                self.ctx_sum -= s.ctx
+                self.cache.release(s.blocks)
+                self.cache.unpin(s.pinned)
+                self.cache.insert(s.hashes)
+                s.finish_s = now
+                c.finished(s)
+            self.flush_events()
+
+    # --- reports -------------------------------------------------------------------------------------------
+    def load(self) -> tuple[int, int, int]:
+        prefill_left = sum(s.todo for s in self.prefilling) + self.queued_tokens
+        return len(self.running) + len(self.prefilling), len(self.waiting), prefill_left
+
+    def active_ids(self) -> list[str]:
+        return ([s.req.request_id for s in self.running] + [s.req.request_id for s in self.prefilling]
+                + [s.req.request_id for s in self.waiting])
