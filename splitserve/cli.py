@@ -12,11 +12,13 @@ from typing import Any
 import typer
 
 from splitserve import discovery, errors
+from splitserve import k8s as _k8s
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="splitserve: disaggregated prefill/decode "
                   "LLM serving over NATS")
 bench_app = typer.Typer(no_args_is_help=True, help="benchmarks")
 app.add_typer(bench_app, name="bench")
+app.add_typer(_k8s.app, name="k8s")
 
 
 
