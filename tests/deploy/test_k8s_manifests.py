@@ -383,6 +383,8 @@ def test_gpu_efa_pools_get_gpus_efa_hugepages_and_separate_nodes(rendered: dict[
                    and t["labelSelector"]["matchLabels"]["app.kubernetes.io/name"] == other for t in anti)
         assert spec["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
         assert {t["key"] for t in spec["tolerations"]} >= {"nvidia.com/gpu"}
+        assert "replicas" not in sts["spec"], "KEDA's HPA owns the pool sizes: an apply must not reset them"
+        assert name in by_kind(docs, "ScaledObject")
         env = env_of(c, docs)
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert mounts["models"] == "/models" and cfg["SPLITSERVE_MODEL"].startswith("/models/")
