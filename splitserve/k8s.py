@@ -24,7 +24,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -285,11 +285,11 @@ AUTOSCALE_HEADER = """\
 
 
 async def ensure_lanes(nats_url: str, tenants: TenantsConfig, *, ack_wait_s: float, wait_s: float = 120.0,
-                       echo: Any = print) -> list[str]:
+                       echo: Callable[[str], None] = print) -> list[str]:
     """Create (or confirm) the request queue's streams and every tenant's consumers, with the routers' own
     code and settings; retries until ``wait_s`` while NATS or its JetStream cluster is still coming up."""
     from services.router.workqueue import NUM_CLASSES, WorkQueue
-    from splitserve.runtime.bus import Bus
+    from splitserve.runtime.bus import Bus, NotAuthorized
 
     deadline = time.monotonic() + wait_s
     while True:
@@ -310,6 +310,8 @@ async def ensure_lanes(nats_url: str, tenants: TenantsConfig, *, ack_wait_s: flo
                 return names
             finally:
                 await bus.close()
+        except NotAuthorized:
+            raise  # refused credentials do not get better with time
         except Exception as exc:
             if time.monotonic() >= deadline:
                 raise

@@ -122,6 +122,9 @@ async def test_lanes_creates_every_consumer_the_triggers_name_and_routers_bind_t
             mp.setenv(natsauth.ENV_PASSWORD, password)
             names = await k8s.ensure_lanes(srv.url, cfg, ack_wait_s=30.0, wait_s=10.0)
             again = await k8s.ensure_lanes(srv.url, cfg, ack_wait_s=30.0, wait_s=10.0)  # idempotent
+            mp.setenv(natsauth.ENV_PASSWORD, "wrong-password")
+            with pytest.raises(NotAuthorized):  # at once, not after wait_s of retries
+                await k8s.ensure_lanes(srv.url, cfg, ack_wait_s=30.0, wait_s=60.0)
         assert names == again and len(names) == len(cfg.tenants) * NUM_CLASSES
         triggers = [t["metadata"]["consumer"] for so in k8s.scaled_objects(cfg) for t in so["spec"]["triggers"]
                     if t["type"] == "nats-jetstream"]
