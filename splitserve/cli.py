@@ -12,6 +12,7 @@ from typing import Any
 import typer
 
 from splitserve import discovery, errors
+from splitserve import k8s as _k8s
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="splitserve: disaggregated prefill/decode "
                   "LLM serving over NATS")
@@ -20,6 +21,7 @@ app.add_typer(bench_app, name="bench")
 from splitserve.sim.cli import sim_app  # noqa: E402  (light: heavy imports happen inside its commands)
 
 app.add_typer(sim_app, name="sim")
+app.add_typer(_k8s.app, name="k8s")
 
 
 

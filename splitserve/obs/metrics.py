@@ -62,6 +62,9 @@ class ClusterMetrics:
         self.queued_tokens = Gauge("splitserve_worker_queued_prefill_tokens", "Prefill tokens queued", wl,
                                    registry=r)
         self.free_blocks = Gauge("splitserve_worker_free_kv_blocks", "Free KV landing blocks", wl, registry=r)
+        # With free blocks: KV occupancy, a decode-pool autoscaling signal (deploy/k8s)
+        self.total_blocks = Gauge("splitserve_worker_total_kv_blocks", "KV pool size in blocks (0 = unknown)", wl,
+                                  registry=r)
         self.cached_blocks = Gauge("splitserve_worker_cached_kv_blocks", "Prefix-cache blocks resident", wl,
                                    registry=r)
         self.queue_depth = Gauge("splitserve_queue_depth", "Requests queued at workers, by role", ["role"],
@@ -118,6 +121,7 @@ class ClusterMetrics:
         self.queued.labels(w, role).set(load.queued_requests)
         self.queued_tokens.labels(w, role).set(load.queued_prefill_tokens)
         self.free_blocks.labels(w, role).set(load.free_blocks)
+        self.total_blocks.labels(w, role).set(load.total_blocks)
         self.cached_blocks.labels(w, role).set(load.cached_blocks)
         self._refresh(now)
 
