@@ -14,6 +14,8 @@ from proto.codec import (
     encode,
     headers_for,
 )
+from proto.admin import *  # noqa: F403
+from proto.admin import __all__ as _admin_all
 from proto.messages import *  # noqa: F403
 from proto.messages import __all__ as _messages_all
 from proto.subjects import Subjects
@@ -28,4 +30,5 @@ __all__ = [
     "encode",
     "headers_for",
     *_messages_all,
+    *_admin_all,
 ]
