@@ -5,6 +5,8 @@ Each message is a versioned pydantic v2 model (``proto.messages``); the subject 
 knows the byte format. Nothing in the product publishes an ad-hoc dict.
 """
 
+from proto.admin import *  # noqa: F403
+from proto.admin import __all__ as _admin_all
 from proto.codec import (
     HEADER_KIND,
     HEADER_VERSION,
@@ -14,8 +16,6 @@ from proto.codec import (
     encode,
     headers_for,
 )
-from proto.admin import *  # noqa: F403
-from proto.admin import __all__ as _admin_all
 from proto.messages import *  # noqa: F403
 from proto.messages import __all__ as _messages_all
 from proto.subjects import Subjects

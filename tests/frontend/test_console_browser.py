@@ -12,7 +12,6 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,8 +22,9 @@ from splitserve.tenancy.consolekey import key_path, read_console_key
 pytestmark = pytest.mark.slow
 
 try:
-    from splitserve.console_shots import browser, chromium_path, sign_in
     import playwright  # noqa: F401
+
+    from splitserve.console_shots import browser, chromium_path, sign_in
 
     MISSING = None if chromium_path() else "Debian package chromium (tools/apt-packages.txt)"
 except ImportError:
@@ -139,7 +139,8 @@ def test_admin_sees_workers_waterfall_and_routing_explorer(stack: tuple[StackPro
         page.fill("#explain-prompt", LONG)
         page.click("#explain-submit")
         page.wait_for_selector("#explain .strategy")
-        cards = {c.get_attribute("data-strategy"): c.inner_text() for c in page.query_selector_all("#explain .strategy")}
+        cards = {c.get_attribute("data-strategy"): c.inner_text()
+                 for c in page.query_selector_all("#explain .strategy")}
         assert set(cards) == {"kvaware", "prefixaware", "roundrobin", "session"}
         assert "live" in cards["kvaware"] and "decode-0" in cards["kvaware"]
         # the long prompt's prefix is on the workers now: the router's index replica says so

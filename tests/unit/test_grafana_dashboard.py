@@ -76,7 +76,7 @@ def test_dashboard_is_importable() -> None:
     dash = json.loads(DASHBOARD.read_text())
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
-    assert all(0 <= p["gridPos"]["x"] and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24 for p in dash["panels"])
+    assert all(p["gridPos"]["x"] >= 0 and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24 for p in dash["panels"])
     names = {v["name"] for v in dash["templating"]["list"]}
     assert {"datasource", "tenant"} <= names
     for p in dash["panels"]:
