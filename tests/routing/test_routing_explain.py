@@ -47,12 +47,12 @@ def test_a_dry_run_leaves_ledger_tree_index_and_rotation_alone() -> None:
     assert live.pending is not None
     before = (len(live.pending), live.pending.pending_for("d0"), live.pending.pending_for("d1"),
               live.strategy.tree.version, idx.version,  # type: ignore[attr-defined]
-              dict(live.strategy.cost._turn))  # type: ignore[attr-defined]
+              dict(live.strategy.cost._turn), live.strategy.tracked_blocks(first.decoder))  # type: ignore[attr-defined]
     for _ in range(3):
         ex = explain(live, RoutingRequest("b", token_ids=toks), ws, 0.1)
     after = (len(live.pending), live.pending.pending_for("d0"), live.pending.pending_for("d1"),
              live.strategy.tree.version, idx.version,  # type: ignore[attr-defined]
-             dict(live.strategy.cost._turn))  # type: ignore[attr-defined]
+             dict(live.strategy.cost._turn), live.strategy.tracked_blocks(first.decoder))  # type: ignore[attr-defined]
     assert before == after
     # the live prefixaware tree (shared, read-only) knows where the prompt went
     d = ex[0].decision
