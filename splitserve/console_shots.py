@@ -69,7 +69,8 @@ def sign_in(page: Any, base: str, key: str | None) -> None:
         page.wait_for_function("document.getElementById('who').textContent !== ''")
 
 
-def shoot(base: str, out: Path, key: str | None = None, width: int = 1500) -> list[Path]:
+def shoot(base: str, out: Path, key: str | None = None, width: int = 1500, explain_prompt: str = EXPLAIN_PROMPT,
+          chat: bool = True) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     shots = []
     with browser() as b:
@@ -84,17 +85,20 @@ def shoot(base: str, out: Path, key: str | None = None, width: int = 1500) -> li
                 time.sleep(2.5)  # one more sample: the sparklines have a point to draw to
             elif name == "tenants":
                 page.wait_for_selector("#usage tbody tr")
+                time.sleep(4.5)  # two samples of the queue report: the sparklines have a line to draw
             elif name == "requests":
                 page.wait_for_selector("#slowest tbody tr")
-                rows = page.query_selector_all("#slowest .request-row")
-                if rows:
-                    rows[0].click()
+                ids = [r.get_attribute("data-request") for r in page.query_selector_all("#slowest .request-row")]
+                for rid in ids[:4]:  # the slowest one that went through a prefiller (its waterfall has a KV push)
+                    page.goto(f"{base}/console/#requests/{rid}")
                     page.wait_for_selector("#waterfall .span-row")
                     kv = page.query_selector("#waterfall .span-row[data-span='kv.push']")
                     if kv is not None:
                         kv.click()  # one span's attributes opened
+                        break
             elif name == "explorer":
-                page.fill("#explain-prompt", EXPLAIN_PROMPT)
+                page.fill("#explain-prompt", explain_prompt)
+                page.set_checked("#explain-chat", chat)
                 page.click("#explain-submit")
                 page.wait_for_selector("#explain .strategy, #explain .error")
             path = out / f"{name}.png"
@@ -145,7 +149,9 @@ def demo(out: Path, engine: str, state_dir: Path) -> list[Path]:
         with contextlib.suppress(Exception):  # a refusal (over batch-jobs' max_tokens) makes a failed request
             _post(f"{sp.http_url}/v1/completions", {"prompt": "x", "max_tokens": 100000}, "sk-demo-batch")
         time.sleep(2.0)  # spans leave each process in ~0.5 s batches
-        return shoot(sp.http_url, out, read_console_key(state_dir / "stack"))
+        # the long prompt again: its prefix is cached now, and the explorer shows where
+        return shoot(sp.http_url, out, read_console_key(state_dir / "stack"), explain_prompt=long + "Summarise it.",
+                     chat=False)
     finally:
         sp.stop()
 
