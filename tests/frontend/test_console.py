@@ -55,7 +55,7 @@ SPANS_A = [
     span("ta" * 16, "a3", "a2", "router.dispatch", "router", 6, 2, request_id="ra", tenant="A",
          decision_json=json.dumps(DECISION), **{"decision.route": "disaggregated"}),
     span("ta" * 16, "a4", "a3", "kv.push", "prefill", 10, 40, request_id="ra", tenant="A",
-         **{"kv.bytes": 4_600_000, "kv.transport": "tcp", "kv.bandwidth_mbps": 115.0}),
+         **{"kv.bytes": 4_600_000, "kv.transport": "tcp", "kv.bandwidth_mbps": 115.0}),  # type: ignore[arg-type]
     span("ta" * 16, "a5", "a3", "decode.stream", "decode", 60, 800, request_id="ra", tenant="A"),
 ]
 SPANS_B = [

@@ -175,3 +175,39 @@ def test_a_tenant_key_sees_only_its_own_tenant(stack: tuple[StackProc, str, str]
         page.reload()
         page.wait_for_selector("#trace-error")
         assert "no trace" in page.inner_text("#trace-error")
+
+
+async def test_route_explain_over_nats_is_a_dry_run_with_clear_errors(stack: tuple[StackProc, str, str]) -> None:
+    """The router's ss.admin.route.explain itself: the same answer twice (nothing moved), the cache the served
+    prompt left behind, and unknown strategies and malformed requests answered precisely."""
+    import nats
+
+    import proto
+    from proto import RouteExplainRequest, Subjects
+    from splitserve import ops
+    from splitserve.tenancy.natsauth import read_admin_credentials
+
+    sp, _, _ = stack
+    creds = read_admin_credentials(sp.state_dir)
+    assert creds is not None
+    nc = await nats.connect(sp.nats_url, user=creds[0], password=creds[1])
+    try:
+        req = RouteExplainRequest(tenant="A", prompt=LONG, strategies=["kvaware", "roundrobin", "nope"])
+        first = await ops.route_explain(nc, req)
+        again = await ops.route_explain(nc, req)
+        by = {r.strategy: r for r in first.results}
+        assert list(by) == ["kvaware", "roundrobin", "nope"] and by["kvaware"].live
+        assert by["nope"].error and "unknown routing strategy" in by["nope"].error
+        assert first.live_strategy == "kvaware" and first.prompt_tokens > 32
+        def picks(rep: proto.RouteExplainReply) -> list[Any]:
+            return [(r.decision or {}).get("decoder") for r in rep.results] + [
+                (r.decision or {}).get("route") for r in rep.results]
+
+        assert picks(again) == picks(first)
+        # the prompt was served before: the router's replica of the index knows a worker holds its prefix
+        assert max(w.cached_blocks for w in first.workers) > 0
+        msg = await nc.request(Subjects.ADMIN_ROUTE_EXPLAIN, b'{"v": 1, "tenant": "A"}', timeout=10)
+        err = proto.decode(msg.data, proto.StreamError)
+        assert err.code == proto.ErrorCode.BAD_REQUEST and "exactly one of prompt" in err.message
+    finally:
+        await nc.close()
