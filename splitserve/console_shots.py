@@ -135,7 +135,7 @@ def demo(out: Path, engine: str, state_dir: Path) -> list[Path]:
     args = ["--engine", engine, "--prefill", "1", "--decode", "2", "--disagg-threshold", "48",
             "--strategy", "kvaware", "--transport", "tcp", "--tenants", str(tenants)]
     print(f"console_shots: starting a stack ({' '.join(args)}) ...", flush=True)
-    sp = start_stack(state_dir / "stack", *args)
+    sp = start_stack(state_dir / "stack", *args, timeout=900)  # a loaded machine loads three models slowly
     try:
         assert sp.http_url is not None
         long = "The history of the Roman Empire spans many centuries, from the founding of the city. " * 4

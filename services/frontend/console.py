@@ -26,6 +26,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
+from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
@@ -139,12 +141,12 @@ def console_router(data: ConsoleData, auth: ConsoleAuth) -> APIRouter:
         except errors.SplitserveError as exc:
             status = 400 if exc.code.value == "bad_request" else 503
             raise HTTPException(status, exc.message) from None
-        except (ConnectionError, TimeoutError) as exc:
-            raise HTTPException(503, str(exc) or "NATS did not answer in time") from None
-        except Exception as exc:
-            if type(exc).__name__ in ("NoRespondersError", "TimeoutError"):
-                raise HTTPException(503, "no router answered (is one running?)") from None
-            raise
+        except (NoRespondersError, TimeoutError):  # nats' TimeoutError is the builtin's subclass
+            raise HTTPException(503, "no router answered (is one running?)") from None
+        except ConnectionError as exc:
+            raise HTTPException(503, str(exc)) from None
+        except NatsError as exc:  # e.g. SS_USAGE not created yet: no router has started
+            raise HTTPException(503, f"NATS answered: {exc}") from None
 
     @api.get("/whoami")
     async def whoami(p: Principal = Depends(principal)) -> dict[str, Any]:

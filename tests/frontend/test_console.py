@@ -214,6 +214,19 @@ async def test_clear_answers_when_something_is_missing(http: httpx2.AsyncClient)
     assert (await http.post("/console/api/explain", headers=adm, json={"prompt": ""})).status_code == 400
 
 
+async def test_a_cluster_without_streams_yet_says_so(fresh_nats: NatsServer) -> None:
+    bare = await nats.connect(fresh_nats.url)  # no router ever started: no SS_USAGE, no SS_TRACES
+    try:
+        app, _ = make(bare)
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.get("/console/api/usage", headers=as_(ADMIN))
+            assert r.status_code == 503 and "NATS answered" in r.json()["error"]["message"]
+            r = await c.get("/console/api/requests", headers=as_(ADMIN))
+            assert r.status_code == 200 and r.json()["slowest"] == []
+    finally:
+        await bare.close()
+
+
 async def test_an_open_front_door_has_an_open_console(nc: Any) -> None:
     app, _ = make(nc, keys=None, admins=[])
     async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://t") as c:

@@ -67,7 +67,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[StackProc,
     tmp = tmp_path_factory.mktemp("console")
     (tmp / "tenants.yaml").write_text(TENANTS)
     sp = start_stack(tmp / "state", "--prefill", "1", "--decode", "1", "--disagg-threshold", "32",
-                     "--transport", "tcp", "--strategy", "kvaware", "--tenants", str(tmp / "tenants.yaml"))
+                     "--transport", "tcp", "--strategy", "kvaware", "--tenants", str(tmp / "tenants.yaml"),
+                     timeout=900)
     try:
         assert sp.http_url
         rid_a, rid_b = f"console-a-{uuid.uuid4().hex[:12]}", f"console-b-{uuid.uuid4().hex[:12]}"
