@@ -5,6 +5,8 @@ Each message is a versioned pydantic v2 model (``proto.messages``); the subject 
 knows the byte format. Nothing in the product publishes an ad-hoc dict.
 """
 
+from proto.admin import *  # noqa: F403
+from proto.admin import __all__ as _admin_all
 from proto.codec import (
     HEADER_KIND,
     HEADER_VERSION,
@@ -28,4 +30,5 @@ __all__ = [
     "encode",
     "headers_for",
     *_messages_all,
+    *_admin_all,
 ]

@@ -18,6 +18,8 @@ Layout (``ss`` is the product prefix; ``{tenant}`` and ``{worker}`` are single t
   ss.q.{tenant}.p{class}          router intake -> router dispatch: QueuedRequest, in the SS_QUEUE work-queue
                                   stream (Nats-Msg-Id = request id); class 0 is served first within a tenant
   ss.admin.queues                 operator -> router, request/reply: QueueReportRequest -> QueueReport
+  ss.admin.route.explain          operator -> router, request/reply: RouteExplainRequest -> RouteExplainReply
+                                  (what each strategy would decide for a prompt now; nothing is dispatched)
   ss.cancel.{tenant}              client/front door -> every worker: CancelRequest
   ss.cache.query                  router -> cache index, request/reply: CacheQuery -> CacheQueryReply
   ss.trace.spans.{service}        every process: SpanBatch (finished trace spans; kept in stream SS_TRACES)
@@ -106,6 +108,7 @@ class Subjects:
     QUEUE_ALL = "ss.q.>"
     QUEUE_STREAM = "SS_QUEUE"  # the durable per-tenant work queue between intake and dispatch
     ADMIN_QUEUES = "ss.admin.queues"
+    ADMIN_ROUTE_EXPLAIN = "ss.admin.route.explain"
 
     @staticmethod
     def cancel(tenant: str) -> str:

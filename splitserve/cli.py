@@ -125,6 +125,7 @@ def up(
     def ready(stack: Stack) -> None:
         typer.echo(f"\nsplitserve is up. NATS: {stack.nats_url}\n"
                    f"  OpenAI API: {stack.http_url}/v1\n"
+                   f"  console:    {stack.http_url}/console/\n"
                    f"  try:  splitserve generate --chat \"What is the capital of France?\"\n"
                    f"  stop: Ctrl-C")
 

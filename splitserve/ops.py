@@ -1,7 +1,8 @@
-"""Operator views behind ``splitserve queues`` and ``splitserve usage``: what the router's queues hold, and
-what each tenant used.
+"""Operator views behind ``splitserve queues`` and ``splitserve usage`` (and the web console): what the
+router's queues hold, what each tenant used, and where a prompt would be routed.
 
 ``queue_report`` asks a router (``ss.admin.queues``) for per-tenant depth, oldest wait and rates.
+``route_explain`` asks a router (``ss.admin.route.explain``) what each strategy would decide for a prompt.
 ``usage_summary`` reads the ``SS_USAGE`` stream (every request's ``RequestFinished``, kept a week) from a
 start time and sums prompt / completion / cached tokens per tenant, counting each request once.
 """
@@ -17,12 +18,31 @@ from nats.aio.client import Client as NATS
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 import proto
-from proto import QueueReport, QueueReportRequest, RequestFinished, Subjects
+from proto import (
+    QueueReport,
+    QueueReportRequest,
+    RequestFinished,
+    RouteExplainReply,
+    RouteExplainRequest,
+    StreamError,
+    Subjects,
+)
+from splitserve import errors
 
 
 async def queue_report(nc: NATS, timeout: float = 5.0) -> QueueReport:
     resp = await nc.request(Subjects.ADMIN_QUEUES, proto.encode(QueueReportRequest()), timeout=timeout)
     return proto.decode(resp.data, QueueReport)
+
+
+async def route_explain(nc: NATS, req: RouteExplainRequest, timeout: float = 5.0) -> RouteExplainReply:
+    """A router's dry run of ``req`` under every strategy. Raises the router's typed error (e.g. BadRequest
+    for a prompt it cannot tokenize)."""
+    resp = await nc.request(Subjects.ADMIN_ROUTE_EXPLAIN, proto.encode(req), timeout=timeout)
+    if resp.headers and resp.headers.get(proto.HEADER_KIND) == "error":
+        err = proto.decode(resp.data, StreamError)
+        raise errors.from_wire(err)
+    return proto.decode(resp.data, RouteExplainReply)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from splitserve import discovery
 from splitserve.cpus import parse_cpus
 from splitserve.natsserver import NatsServer, child_preexec, free_port, start_nats
 from splitserve.runtime.bus import Bus
-from splitserve.tenancy import natsauth
+from splitserve.tenancy import consolekey, natsauth
 from splitserve.tenancy.config import load_tenants
 from splitserve.tenancy.natsauth import StackAuth
 
@@ -196,6 +196,8 @@ class Stack:
                 # user can read in ps) carries the password. A tenant's own variables must not leak in.
                 env.pop(natsauth.ENV_NKEY_SEED, None)
                 env[natsauth.ENV_USER], env[natsauth.ENV_PASSWORD] = self.auth.credentials(ch.role)
+                if ch.role == "frontend":  # the web console's admin key (see splitserve.tenancy.consolekey)
+                    env[consolekey.ADMIN_KEYS_ENV] = consolekey.ensure_console_key(self.cfg.state_dir)
             ch.proc = subprocess.Popen(ch.argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                        preexec_fn=child_preexec)
         ch.ready = False
@@ -213,6 +215,9 @@ class Stack:
             natsauth.write_private(conf_path, auth_conf)
             self.echo(f"  {'auth':<15} {len(self.auth.service_secrets)} service users + tenants from "
                       f"{c.tenants_file}; secrets under {self.auth.auth_dir} (mode 0600)")
+            self.echo(f"  {'auth':<15} web console admin key: "
+                      f"{consolekey.key_path(c.state_dir)} (tenants' API keys see their own tenant only)")
+            consolekey.ensure_console_key(c.state_dir)
             if self.auth.generated_tenants:
                 self.echo(f"  {'auth':<15} generated passwords for tenant(s) "
                           f"{', '.join(sorted(self.auth.generated_tenants))}: "
@@ -247,7 +252,8 @@ class Stack:
             # No secret goes here (the file is readable by anyone who can read the home directory): operator
             # commands find the admin credentials under state_dir/auth, readable by the stack's owner only.
             discovery.write_stack({"pid": os.getpid(), "nats_url": self.nats_url, "state_dir": str(c.state_dir),
-                                   "auth": self.auth is not None, "services": [ch.name for ch in self.children]})
+                                   "auth": self.auth is not None, "services": [ch.name for ch in self.children],
+                                   "http_url": self.http_url})
             if on_ready:
                 on_ready(self)
             await self._supervise()

@@ -25,13 +25,24 @@ def main(
     tenants: Path | None = typer.Option(None, exists=True, dir_okay=False,
                                         help="tenants file: its tenants' api_keys are accepted too (a tenants "
                                              "file with keys turns key auth on)"),
+    admin_keys: Path | None = typer.Option(None, exists=True, dir_okay=False,
+                                           help="web console admin keys (a list, or one per line); also "
+                                                "SPLITSERVE_CONSOLE_ADMIN_KEYS (comma-separated)"),
     log_level: str = LogLevel,
 ) -> None:
     from services.frontend.app import load_api_keys
+    from services.frontend.console import admin_keys_from_env, load_admin_keys
     from services.frontend.service import FrontendService
     from splitserve.tenancy.config import load_tenants
 
     keys: dict[str, str] | None = None
+    admins = admin_keys_from_env()
+    if admin_keys is not None:
+        try:
+            admins += load_admin_keys(admin_keys)
+        except (OSError, ValueError) as exc:
+            raise typer.BadParameter(str(exc), param_hint="--admin-keys") from None
+    cfg = None
     if api_keys is not None:
         try:
             keys = load_api_keys(api_keys)
@@ -48,8 +59,10 @@ def main(
                                      param_hint="--tenants")
         if from_file:
             keys = {**(keys or {}), **from_file}
+    if keys and set(keys) & set(admins):
+        raise typer.BadParameter("a console admin key is also a tenant's API key", param_hint="--admin-keys")
     run_service(FrontendService(worker_id, nats_url, host=host, port=port, model_name=model_name, api_keys=keys,
-                                log_level=log_level))
+                                admin_keys=admins, tenants=cfg, log_level=log_level))
 
 
 if __name__ == "__main__":

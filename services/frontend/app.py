@@ -174,8 +174,9 @@ class RequestIdMiddleware:
         finally:
             if token is not None:
                 otel_context.detach(token)
-            # Probes come every second or so: keep them out of the info log.
-            emit = log.debug if scope.get("path") in PROBE_PATHS else log.info
+            # Probes (and the console's polling) come every second or so: keep them out of the info log.
+            path = str(scope.get("path") or "")
+            emit = log.debug if path in PROBE_PATHS or path.startswith("/console/") else log.info
             emit("http", method=scope.get("method"), path=scope.get("path"), status=status or None, request_id=rid,
                  ms=round((time.perf_counter() - t0) * 1000, 1))
 

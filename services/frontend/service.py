@@ -19,13 +19,16 @@ import uvicorn
 from nats.aio.msg import Msg
 
 from proto import Heartbeat, RequestFinished, Subjects, WorkerLoad
+from services.frontend import console
 from services.frontend import openai_api as oa
 from services.frontend.app import Stream, create_app
+from services.frontend.console_data import ConsoleData
 from splitserve import errors
 from splitserve.client import Client
 from splitserve.obs.metrics import ClusterMetrics
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
+from splitserve.tenancy.config import TenantsConfig
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -49,6 +52,8 @@ class FrontendService(Service):
         port: int = 8000,
         model_name: str | None = None,
         api_keys: dict[str, str] | None = None,
+        admin_keys: list[str] | None = None,
+        tenants: TenantsConfig | None = None,
         graceful_s: int = 5,
         accept_timeout_s: float = 30.0,
         idle_timeout_s: float = 120.0,
@@ -70,6 +75,10 @@ class FrontendService(Service):
         self._serve_task: asyncio.Task[None] | None = None
         self._client: Client | None = None
         self.cluster_metrics = ClusterMetrics()  # gathered here: every request's end and every heartbeat
+        # The web console (/console): the same figures, drawn; its own keys (admin) besides the tenants' keys.
+        self.console = ConsoleData(self.cluster_metrics, lambda: self.bus.nc if self.bus is not None else None,
+                                   tenants=tenants)
+        console.install(self.app, self.console, console.ConsoleAuth(api_keys, admin_keys or []))
 
     # --- lifecycle ----------------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -79,6 +88,7 @@ class FrontendService(Service):
     async def start(self) -> None:
         await self.b.subscribe(Subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         await self.b.subscribe(Subjects.FINISHED_ALL, RequestFinished, self.on_finished)
+        self.b.spawn(self.console.run_sampler())
         # Bind here rather than in uvicorn: a taken port is then an exception with a clear message (uvicorn
         # would sys.exit), and port 0 tells us the real port before we announce ready.
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET

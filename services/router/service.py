@@ -185,6 +185,8 @@ class RouterService(Service):
         await b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel)
         await b.subscribe(Subjects.ADMIN_QUEUES, QueueReportRequest, self.on_queue_report,
                           queue=Subjects.ROUTER_QUEUE, concurrent=True)
+        await b.subscribe(Subjects.ADMIN_ROUTE_EXPLAIN, proto.RouteExplainRequest, self.on_route_explain,
+                          queue=Subjects.ROUTER_QUEUE)
         await b.subscribe(
             Subjects.REQUEST_ALL, GenerateRequest, self.on_request, queue=Subjects.ROUTER_QUEUE, concurrent=True
         )
@@ -662,6 +664,20 @@ class RouterService(Service):
                 served_tokens=served.get(t, 0), tokens_last_minute=self.quota.tokens_in_window(t, now)))
         await self.b.respond(msg, QueueReport(router_id=self.worker_id, capacity=self.free_slots(now),
                                               running=len(self.inflight), tenants=rows))
+
+    async def on_route_explain(self, req: proto.RouteExplainRequest, msg: Msg) -> None:
+        """What each strategy would decide for this prompt now: a dry run that dispatches nothing and leaves
+        every routing state as it was (``services.router.explain``)."""
+        from services.router import explain
+
+        try:
+            ids = explain.prompt_ids(self.tokenizer.token_ids, req)
+        except Exception as exc:
+            await self.b.reply_error(msg, ErrorCode.BAD_REQUEST, f"could not tokenize the prompt: {exc}")
+            return
+        now = time.monotonic()
+        live = self.registry.live("decode", now) + self.registry.live("prefill", now)
+        await self.b.respond(msg, explain.answer(self.worker_id, self.policy, req, ids, live, self._view, now))
 
     @staticmethod
     def _view(hb: Heartbeat) -> WorkerView:

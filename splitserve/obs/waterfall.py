@@ -52,6 +52,26 @@ def _fmt(v: Any, limit: int = 120) -> str:
     return s if len(s) <= limit else s[: limit - 1] + "…"
 
 
+def rows(spans: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The waterfall as data, one row per span ordered by start: what the terminal table and the web console
+    draw. Offsets are from the trace's first span; ``key_attributes`` are the ones worth showing per span."""
+    if not spans:
+        return []
+    t0 = min(s["start_ns"] for s in spans)
+    depth = _depths(spans)
+    out = []
+    for s in sorted(spans, key=lambda s: (s["start_ns"], -s["end_ns"])):
+        attrs = s.get("attributes") or {}
+        out.append({
+            "span_id": s["span_id"], "parent_id": s.get("parent_id"), "service": s["service"],
+            "worker_id": s.get("worker_id", ""), "name": s["name"], "depth": depth.get(s["span_id"], 0),
+            "start_ms": (s["start_ns"] - t0) / 1e6, "duration_ms": (s["end_ns"] - s["start_ns"]) / 1e6,
+            "error": s.get("status") == "error", "status_message": s.get("status_message"),
+            "key_attributes": {k: attrs[k] for k in _KEY_ATTRS.get(s["name"], ()) if k in attrs},
+        })
+    return out
+
+
 def render_waterfall(spans: Sequence[Mapping[str, Any]], console: Console | None = None,
                      title: str | None = None) -> None:
     console = console or Console()
@@ -61,27 +81,25 @@ def render_waterfall(spans: Sequence[Mapping[str, Any]], console: Console | None
     t0 = min(s["start_ns"] for s in spans)
     t1 = max(s["end_ns"] for s in spans)
     total = max(1, t1 - t0)
-    depth = _depths(spans)
     table = Table(title=title or f"trace {spans[0]['trace_id']}  ({total / 1e6:.1f} ms, {len(spans)} spans)",
                   show_lines=False, expand=False)
     for col in ("service", "span", "start ms", "dur ms", "timeline", "attributes"):
         table.add_column(col, overflow="fold", no_wrap=col in ("timeline", "start ms", "dur ms"))
-    for s in sorted(spans, key=lambda s: (s["start_ns"], -s["end_ns"])):
-        err = s.get("status") == "error"
-        a = int((s["start_ns"] - t0) / total * _BAR)
-        b = max(a + 1, int((s["end_ns"] - t0) / total * _BAR))
+    scale = _BAR / (total / 1e6)
+    for r in rows(spans):
+        err = r["error"]
+        a = int(r["start_ms"] * scale)
+        b = max(a + 1, int((r["start_ms"] + r["duration_ms"]) * scale))
         bar = Text(" " * a + "█" * (b - a) + " " * (_BAR - b), style="red" if err else "cyan")
-        attrs = s.get("attributes") or {}
-        keys = _KEY_ATTRS.get(s["name"], ())
-        shown = [f"{k}={_fmt(attrs[k])}" for k in keys if k in attrs]
+        shown = [f"{k}={_fmt(v)}" for k, v in r["key_attributes"].items()]
         if err:
-            shown.insert(0, f"ERROR: {s.get('status_message') or ''}")
+            shown.insert(0, f"ERROR: {r['status_message'] or ''}")
         style = "bold red" if err else ""
         table.add_row(
-            Text(f"{s['service']}/{s.get('worker_id', '')}", style=style),
-            Text("  " * depth.get(s["span_id"], 0) + s["name"], style=style),
-            f"{(s['start_ns'] - t0) / 1e6:9.1f}",
-            f"{(s['end_ns'] - s['start_ns']) / 1e6:9.1f}",
+            Text(f"{r['service']}/{r['worker_id']}", style=style),
+            Text("  " * r["depth"] + r["name"], style=style),
+            f"{r['start_ms']:9.1f}",
+            f"{r['duration_ms']:9.1f}",
             bar,
             Text("  ".join(shown), style="red" if err else ""),
         )

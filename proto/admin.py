@@ -1,0 +1,85 @@
+"""Operator request/reply models that only consoles and tools send (not on any request's path).
+
+``ss.admin.route.explain``: "what would each routing strategy decide for this prompt, now?" The router
+answers from its live worker views, its cache-index replica and its pending-load ledger without dispatching
+anything or changing any of its state (see ``splitserve.routing.explain``).
+
+Same compatibility rule as ``proto.messages``: within one ``v`` fields are only added with defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from proto.messages import ChatMessage, Message, now_ms
+from proto.subjects import check_token
+from proto.tokens import TokenIds
+
+__all__ = ["ExplainWorker", "RouteExplainReply", "RouteExplainRequest", "StrategyExplanation"]
+
+MAX_EXPLAIN_STRATEGIES = 16
+
+
+class RouteExplainRequest(Message):
+    """A prompt to route on paper. Exactly one of prompt / messages / prompt_token_ids (as GenerateRequest)."""
+
+    kind: Literal["route_explain_request"] = "route_explain_request"
+    tenant: str = "default"
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt_token_ids: TokenIds | None = None
+    session_id: str | None = Field(default=None, max_length=256)
+    # None: every registered strategy; the router's own (live) strategy is always marked in the reply.
+    strategies: list[str] | None = Field(default=None, max_length=MAX_EXPLAIN_STRATEGIES)
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant(cls, v: str) -> str:
+        return check_token(v, "tenant")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> RouteExplainRequest:
+        given = [x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)]
+        if sum(given) != 1:
+            raise ValueError("exactly one of prompt, messages or prompt_token_ids must be given")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+
+class ExplainWorker(BaseModel):
+    """One live worker as the router sees it for this decision (heartbeat load + its pending ledger)."""
+
+    worker_id: str
+    role: str
+    pool: str = "general"
+    active_seqs: int = 0
+    queued_prefill_tokens: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    used_blocks: int = 0
+    prefill_tokens_per_s: float | None = None
+    step_ms: float | None = None
+    cached_blocks: int = 0  # leading blocks of this prompt it holds, per the router's index replica
+
+
+class StrategyExplanation(BaseModel):
+    strategy: str
+    live: bool = False  # the strategy this router runs (its state, e.g. prefixaware's tree, is the live one)
+    decision: dict[str, Any] | None = None  # splitserve.routing.Decision.to_dict()
+    error: str | None = None  # e.g. "no live decode workers"
+    note: str | None = None
+
+
+class RouteExplainReply(Message):
+    kind: Literal["route_explain_reply"] = "route_explain_reply"
+    router_id: str
+    ts_ms: float = Field(default_factory=now_ms)
+    prompt_tokens: int
+    block_size: int
+    live_strategy: str
+    policy: dict[str, Any] = Field(default_factory=dict)  # the live Router.describe(): thresholds, disagg rule
+    workers: list[ExplainWorker] = Field(default_factory=list)
+    results: list[StrategyExplanation] = Field(default_factory=list)

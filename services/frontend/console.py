@@ -1,0 +1,214 @@
+"""The web console, served by the front door at ``/console``: pages (static files shipped in the package,
+plain JS and SVG, nothing fetched from the network) and the JSON API under ``/console/api`` they draw from.
+
+Who sees what (:class:`ConsoleAuth`):
+
+* no keys configured at all (an open front door): everyone is an operator;
+* otherwise every API call needs ``Authorization: Bearer KEY``: an **admin key** (``--admin-keys FILE``,
+  ``SPLITSERVE_CONSOLE_ADMIN_KEYS``, or the key ``splitserve up --tenants`` generates into
+  ``<state-dir>/auth/console-admin.key``) sees everything; a **tenant's API key** (``--api-keys``, the tenants
+  file's ``api_keys``) sees only its own tenant: its queue row, usage and requests. The cluster page and the
+  routing explorer (which shows every worker's cache residency) are for admins only.
+
+The figures come from :mod:`services.frontend.console_data`, which reuses the operator commands' sources.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException
+
+from proto.subjects import check_token
+from services.frontend.console_data import ConsoleData
+from splitserve import errors
+from splitserve.tenancy.consolekey import ADMIN_KEYS_ENV
+
+STATIC = Path(__file__).parent / "static" / "console"
+WINDOWS = {"15m": 900.0, "1h": 3600.0, "24h": 86400.0, "7d": 7 * 86400.0, "all": None}
+
+
+# ---------------------------------------------------------------------------------------------- auth
+
+
+@dataclass(frozen=True)
+class Principal:
+    admin: bool
+    tenant: str | None = None  # the one tenant a tenant key may see (None for an admin)
+
+    @property
+    def scope(self) -> str | None:
+        """The tenant filter to apply: None (everything) for an admin."""
+        return None if self.admin else self.tenant
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def load_admin_keys(path: Path) -> list[str]:
+    """Admin keys from a file: a JSON/YAML list, or one key per line (``#`` comments allowed)."""
+    text = path.read_text()
+    keys: Any
+    try:
+        import yaml
+
+        keys = yaml.safe_load(text)
+    except Exception:
+        keys = None
+    if not isinstance(keys, list):
+        keys = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    if not keys or not all(isinstance(k, str) and len(k) >= 16 for k in keys):
+        raise ValueError(f"{path}: expected admin keys (a list, or one per line), each at least 16 characters")
+    return list(keys)
+
+
+def admin_keys_from_env() -> list[str]:
+    return [k.strip() for k in os.environ.get(ADMIN_KEYS_ENV, "").split(",") if k.strip()]
+
+
+class ConsoleAuth:
+    """Keys held only as SHA-256 digests (as the front door's own API-key check does)."""
+
+    def __init__(self, tenant_keys: dict[str, str] | None, admin_keys: Iterable[str] = ()) -> None:
+        self._tenants = {_digest(k): t for k, t in (tenant_keys or {}).items()}
+        self._admins = [_digest(k) for k in admin_keys]
+        overlap = set(self._tenants) & set(self._admins)
+        if overlap:
+            raise ValueError("an admin console key is also a tenant's API key")
+        self.open = not self._tenants and not self._admins
+
+    def principal(self, authorization: str | None) -> Principal:
+        if self.open:
+            return Principal(admin=True)
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() == "bearer" and key.strip():
+            d = _digest(key.strip())
+            if any(hmac.compare_digest(d, a) for a in self._admins):
+                return Principal(admin=True)
+            tenant = self._tenants.get(d)
+            if tenant is not None:
+                return Principal(admin=False, tenant=tenant)
+        raise HTTPException(401, "the console needs a key: an admin key, or a tenant's API key for that tenant's "
+                                 "own view ('Authorization: Bearer <key>')")
+
+
+# ---------------------------------------------------------------------------------------------- api
+
+
+class ExplainBody(BaseModel):
+    prompt: str = Field(min_length=1, max_length=2_000_000)
+    chat: bool = False
+    session_id: str | None = Field(default=None, max_length=256)
+    tenant: str = "default"
+    strategies: list[str] | None = None
+
+
+def _not_found(message: str) -> JSONResponse:
+    # Not an HTTPException: the front door rewrites 404 messages into "unknown URL".
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                   "code": "not_found"}}, status_code=404)
+
+
+def console_router(data: ConsoleData, auth: ConsoleAuth) -> APIRouter:
+    api = APIRouter(prefix="/console/api")
+
+    def principal(request: Request) -> Principal:
+        p = auth.principal(request.headers.get("authorization"))
+        data.viewed()
+        return p
+
+    def admin(p: Principal = Depends(principal)) -> Principal:
+        if not p.admin:
+            raise HTTPException(403, "this view is for operators: it needs an admin key")
+        return p
+
+    async def nats_call(coro: Any) -> Any:
+        try:
+            return await coro
+        except errors.SplitserveError as exc:
+            status = 400 if exc.code.value == "bad_request" else 503
+            raise HTTPException(status, exc.message) from None
+        except (NoRespondersError, TimeoutError):  # nats' TimeoutError is the builtin's subclass
+            raise HTTPException(503, "no router answered (is one running?)") from None
+        except ConnectionError as exc:
+            raise HTTPException(503, str(exc)) from None
+        except NatsError as exc:  # e.g. SS_USAGE not created yet: no router has started
+            raise HTTPException(503, f"NATS answered: {exc}") from None
+
+    @api.get("/whoami")
+    async def whoami(p: Principal = Depends(principal)) -> dict[str, Any]:
+        return {"admin": p.admin, "tenant": p.tenant, "auth": not auth.open}
+
+    @api.get("/cluster")
+    async def cluster(_: Principal = Depends(admin)) -> dict[str, Any]:
+        return data.cluster()
+
+    @api.get("/tenants")
+    async def tenants(p: Principal = Depends(principal)) -> dict[str, Any]:
+        return await data.tenant_view(p.scope)
+
+    @api.get("/usage")
+    async def usage(since: str = Query("24h"), p: Principal = Depends(principal)) -> dict[str, Any]:
+        if since not in WINDOWS:
+            raise HTTPException(400, f"since must be one of {', '.join(WINDOWS)}")
+        out: dict[str, Any] = await nats_call(data.usage(WINDOWS[since], p.scope))
+        return {**out, "since": since}
+
+    @api.get("/requests")
+    async def requests(n: int = Query(20, ge=1, le=500), p: Principal = Depends(principal)) -> dict[str, Any]:
+        out: dict[str, Any] = await nats_call(data.requests(p.scope, n))
+        return out
+
+    @api.get("/trace/{ref}", response_model=None)
+    async def trace(ref: str, p: Principal = Depends(principal)) -> dict[str, Any] | JSONResponse:
+        try:
+            check_token(ref, "request id")
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+        found = await nats_call(data.trace(ref, p.scope))
+        if found is None:
+            # The same answer whether the trace does not exist or belongs to another tenant.
+            return _not_found(f"no trace for {ref} (tracing off, not sampled, expired from SS_TRACES, or not "
+                              "yours)")
+        out: dict[str, Any] = found
+        return out
+
+    @api.post("/explain")
+    async def explain(body: ExplainBody, _: Principal = Depends(admin)) -> dict[str, Any]:
+        try:
+            tenant = check_token(body.tenant, "tenant")
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+        out: dict[str, Any] = await nats_call(data.explain(prompt=body.prompt, chat=body.chat,
+                                                           session_id=body.session_id or None, tenant=tenant,
+                                                           strategies=body.strategies or None))
+        return out
+
+    return api
+
+
+def install(app: FastAPI, data: ConsoleData, auth: ConsoleAuth) -> None:
+    """Serve the console on ``app``: the pages at /console, their assets, and the API."""
+    app.include_router(console_router(data, auth))
+    app.mount("/console/static", StaticFiles(directory=STATIC), name="console-static")
+
+    @app.get("/console", include_in_schema=False)
+    async def console_root() -> Response:
+        return RedirectResponse("/console/")
+
+    @app.get("/console/", include_in_schema=False)
+    async def console_index() -> Response:
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
