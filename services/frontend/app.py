@@ -45,6 +45,7 @@ log = get_logger("frontend.http")
 T = TypeVar("T")
 
 REQUEST_ID_HEADER = "X-Request-Id"
+SESSION_HEADER = "X-Session-Id"  # the session key for sticky routing (else the body's ``user``)
 PROBE_PATHS = frozenset({"/healthz", "/health", "/readyz", "/metrics"})
 # Far above any prompt NATS can carry (max_payload 8 MiB): only stops a body from filling this process's memory.
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -310,9 +311,13 @@ class EventStreamResponse(Response):
         if opening is not None:
             yield sse(opening)
         delta = self.first
+        held: list[Any] = []  # logprobs of tokens whose text is held back: they go with the next text
         while delta is not None:
+            if delta.logprobs:
+                held.extend(delta.logprobs)
             if delta.text:  # a delta can be empty while the detokenizer holds back a partial character
-                yield sse(r.text_chunk(delta.text))
+                yield sse(r.text_chunk(delta.text, held if r.logprobs else None))
+                held = []
             try:
                 delta = await self.relay.next()
             except errors.SplitserveError as exc:
@@ -374,9 +379,13 @@ async def parse_body(request: Request, model: type[R]) -> R:
     if not isinstance(data, dict):
         raise oa.ApiError(400, "The request body must be a JSON object.")
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as exc:
         raise oa.api_error_from_validation(exc) from None
+    for name in oa.unknown_fields_once(body.model_extra):
+        log.warning("unknown_request_field_ignored", field=name, path=request.url.path,
+                    note="logged once per field name")
+    return body
 
 
 
@@ -426,8 +435,9 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
         if rid in inflight:
             raise oa.ApiError(409, f"request id {rid} is already in flight", param=REQUEST_ID_HEADER,
                               code="duplicate_request_id")
+        args = args.with_session(request.headers.get(SESSION_HEADER))
         responder = oa.Responder(kind=args.kind, request_id=rid, model=model, created=int(time.time()),
-                                 include_usage=args.include_usage)
+                                 include_usage=args.include_usage, logprobs=args.logprobs is not None)
         try:
             stream = backend.generate(args, tenant=tenant, request_id=rid)
         except errors.SplitserveError as exc:
@@ -470,7 +480,9 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
         return await serve(request, oa.completion_args(body), tenant=tenant, model=model)
 
     def model_card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": started, "owned_by": "splitserve"}
+        # max_model_len as vLLM's server reports it (clients size prompts by it); null until a decoder announced
+        return {"id": name, "object": "model", "created": started, "owned_by": "splitserve", "root": name,
+                "parent": None, "max_model_len": backend.max_model_len}
 
     @app.get("/v1/models")
     async def models(_: str = Depends(tenant_of)) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from proto import (
 from services.common.engine_thread import EngineThread
 from services.common.kvcache import KvEventPublisher, kv_layout
 from services.common.options import EngineOptions
+from services.common.sampling import engine_sampling, wire_logprob
 from splitserve.cache.store import PrefixKvStore
 from splitserve.engines import LayerHook, PrefillResult, PromptTooLong, Sampling
 from splitserve.kv import BlockPool, make_sender
@@ -229,7 +230,7 @@ class PrefillService(Service):
             rsp.set_attribute("kv.reserve_ms", round((time.perf_counter() - t_res) * 1000, 2))
         assert reservation.transfer_id is not None and reservation.descriptor is not None
         tid, desc = reservation.transfer_id, reservation.descriptor
-        sampling = Sampling(temperature=job.sampling.temperature, top_p=job.sampling.top_p, seed=job.sampling.seed)
+        sampling = engine_sampling(job.sampling, len(ids), self.engine.info.eos_token_ids)
         src = self.pool.try_allocate(self.layout.blocks_for_tokens(len(ids)))
         if src is None:
             raise JobFailed(ErrorCode.INTERNAL, "prefill staging buffer exhausted")
@@ -298,7 +299,7 @@ class PrefillService(Service):
                         cached_tokens=len(ids) - res.num_computed_tokens, kv_bytes=nbytes,
                         transport=transport, prefill_ms=prefill_ms, transfer_ms=transfer_ms,
                         started_ms=started_ms),
-            decode=job,
+            decode=job, first_logprob=wire_logprob(self.engine, res.first_logprobs),
         )
         await self.b.publish(Subjects.kv_ready(job.decoder_id), done)
         if self.kv_events is not None:
