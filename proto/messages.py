@@ -178,6 +178,7 @@ class GenerateRequest(Message):
     # False: no deltas, only the terminal message (non-streaming callers and async jobs, whose stream subject
     # is their result subject).
     stream: bool = True
+    model: str | None = Field(default=None, max_length=256)  # the model the caller named (informational)
 
     @field_validator("request_id")
     @classmethod
@@ -333,6 +334,7 @@ class StreamFinal(Message):
     timings: Timings = Field(default_factory=Timings)
     decision: dict[str, Any] = Field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None  # one per generated token, when the request asked for them
+    model: str | None = None  # the model the decoder serves
 
 
 class StreamError(Message):

@@ -121,7 +121,7 @@ class Generation:
         # generator cannot be detached in another): made current only around the publish that carries it.
         span = tracing.tracer().start_span("client.generate", context=self._parent_ctx, attributes={
             "request_id": req.request_id, "tenant": req.tenant, "route.requested": req.route,
-            "max_tokens": req.sampling.max_tokens})
+            "max_tokens": req.sampling.max_tokens, **tracing.gen_ai_of(req)})
         try:
             with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
                 reply = await c._send(req)
@@ -199,6 +199,11 @@ class Generation:
                                           completion_tokens=item.usage.completion_tokens,
                                           cached_tokens=item.usage.cached_tokens,
                                           prefill_worker=item.prefill_worker, decode_worker=item.decode_worker)
+                        tracing.gen_ai_response(span, response_id=item.request_id, model=item.model,
+                                                finish_reason=item.finish_reason,
+                                                input_tokens=item.usage.prompt_tokens,
+                                                output_tokens=item.usage.completion_tokens,
+                                                cached_tokens=item.usage.cached_tokens)
                         return
         except BaseException as exc:
             if not isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
@@ -413,6 +418,7 @@ class Client:
         route: Literal["auto", "direct", "disaggregated"] = "auto",
         tenant: str | None = None,
         async_job: bool = False,
+        model: str | None = None,
     ) -> GenerateRequest:
         rid = request_id or uuid.uuid4().hex
         tenant = self.tenant if tenant is None else tenant
@@ -435,7 +441,7 @@ class Client:
                 session_id=session_id,
                 stream_subject=(proto.Subjects.result if async_job else proto.Subjects.stream)(tenant, rid),
                 deadline_ms=None if timeout is None else proto.now_ms() + timeout * 1000, priority=priority,
-                route=route, stream=not async_job, **fields,
+                route=route, stream=not async_job, model=model, **fields,
             )
         except ValueError as exc:
             raise errors.BadRequest(str(exc), request_id=rid) from None

@@ -367,7 +367,8 @@ class DecodeService(Service):
                               first_token_ms=round(now_ms() - job.created_ms, 2))
             self.stream_spans[job.request_id] = tracing.tracer().start_span(
                 "decode.stream", context=tracing.extract(adm.headers),
-                attributes={"request_id": job.request_id, "tenant": job.tenant, "route": str(job.route)})
+                attributes={"request_id": job.request_id, "tenant": job.tenant, "route": str(job.route),
+                            **self._gen_ai(job)})
         seq = Sequence(
             job=job,
             detok=IncrementalDetokenizer(self.engine, job.prompt_token_ids),
@@ -433,6 +434,12 @@ class DecodeService(Service):
             if seq is not None:
                 await self._emit(seq, tok, self._wire_lp(lps.get(rid)))
 
+    def _gen_ai(self, job: DecodeJob) -> dict[str, Any]:
+        p = job.sampling
+        return tracing.gen_ai_request(chat=False, model=self.engine.info.name, max_tokens=p.max_tokens,
+                                      temperature=p.temperature, top_p=p.top_p, seed=p.seed, stop=p.stop,
+                                      request_id=job.request_id)
+
     def _wire_lp(self, lp: TokenLogprobs | None) -> TokenLogprob | None:
         return wire_logprob(self.engine, lp)
 
@@ -472,6 +479,7 @@ class DecodeService(Service):
             usage=usage, route=job.route, prefill_worker=job.prefill_worker, decode_worker=self.worker_id,
             timings=seq.timings, decision=job.decision,
             logprobs=seq.logprobs if job.sampling.logprobs is not None else None,
+            model=self.engine.info.name,
         )
         await self.b.publish(job.stream_subject, final)
         status = "ok" if reason in ("stop", "length") else reason
@@ -490,6 +498,9 @@ class DecodeService(Service):
                           total_ms=seq.timings.total_ms,
                           itl_p50_ms=round(itl[len(itl) // 2], 3) if itl else None,
                           itl_max_ms=round(itl[-1], 3) if itl else None)
+        tracing.gen_ai_response(sp, response_id=job.request_id, model=self.engine.info.name, finish_reason=reason,
+                                input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
+                                cached_tokens=usage.cached_tokens)
         with trace.use_span(sp, end_on_exit=True):  # the log line carries this span's trace and span ids
             self.log.info("finished", request_id=job.request_id, tenant=job.tenant, finish_reason=reason,
                           completion_tokens=len(seq.generated), route=str(job.route),

@@ -200,7 +200,8 @@ class VllmDecodeService(DecodeService):
                             pass
                         self.stream_spans[rid] = tracing.tracer().start_span(
                             "decode.stream", context=tracing.extract(headers),
-                            attributes={"request_id": rid, "tenant": job.tenant, "route": str(job.route)})
+                            attributes={"request_id": rid, "tenant": job.tenant, "route": str(job.route),
+                                        **self._gen_ai(job)})
                         self.active[rid] = seq
                     lps = out.logprobs or []
                     for i, tok in enumerate(out.token_ids):

@@ -27,6 +27,10 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_fastapi_instrumentator import Instrumentator
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -169,7 +173,10 @@ class RequestIdMiddleware:
         # this request, becomes a child of the caller's span.
         hdrs = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []
                 if k.lower() in (b"traceparent", b"tracestate")}
-        token = otel_context.attach(tracing.extract(hdrs)) if hdrs else None
+        # (Only when no server span is current: the ASGI instrumentation outside this middleware has already
+        # continued the caller's trace, and its span must stay the parent.)
+        outer = trace.get_current_span().get_span_context().is_valid
+        token = otel_context.attach(tracing.extract(hdrs)) if hdrs and not outer else None
         try:
             await self.app(scope, receive, send_with_id)
         finally:
@@ -396,6 +403,15 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
     app.state.inflight = inflight
     started = int(time.time())
     app.add_middleware(RequestIdMiddleware)
+    # HTTP server metrics of this process (http_requests_total, http_request_duration_seconds...: the names
+    # vLLM's own server exposes, from the same library), beside the cluster's series on /metrics.
+    http_registry = CollectorRegistry()
+    Instrumentator(excluded_handlers=["/metrics"], registry=http_registry).instrument(app)
+    # The standard ASGI server span (outermost): it continues the caller's traceparent, and every span of the
+    # request (client.generate, router, workers) is its child. Probes are not traced; nor are the per-chunk
+    # send/receive events (one span per SSE chunk otherwise).
+    app.add_middleware(OpenTelemetryMiddleware, excluded_urls="healthz,health,readyz,metrics",
+                       exclude_spans=["receive", "send"])
 
     @app.exception_handler(oa.ApiError)
     async def _api_error(_: Request, exc: oa.ApiError) -> JSONResponse:
@@ -435,7 +451,10 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
         if rid in inflight:
             raise oa.ApiError(409, f"request id {rid} is already in flight", param=REQUEST_ID_HEADER,
                               code="duplicate_request_id")
-        args = args.with_session(request.headers.get(SESSION_HEADER))
+        args = args.served(model=model, session_id=request.headers.get(SESSION_HEADER))
+        trace.get_current_span().set_attributes({"request_id": rid, "gen_ai.request.model": model,
+                                                 "gen_ai.operation.name": "chat" if args.kind == "chat"
+                                                 else "text_completion"})
         responder = oa.Responder(kind=args.kind, request_id=rid, model=model, created=int(time.time()),
                                  include_usage=args.include_usage, logprobs=args.logprobs is not None)
         try:
@@ -502,7 +521,7 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
 
     @app.get("/metrics", response_model=None)
     async def metrics() -> Response:
-        return Response(backend.metrics(), media_type=METRICS_CONTENT_TYPE)
+        return Response(backend.metrics() + generate_latest(http_registry), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/readyz", response_model=None)
     async def readyz() -> JSONResponse:

@@ -307,23 +307,23 @@ class GenerateArgs:
     min_tokens: int = 0
     priority: int = 0
     session_id: str | None = None
+    model: str | None = None  # the served model's name (spans and logs)
 
     def client_kwargs(self) -> dict[str, Any]:
         out: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature,
                                "top_p": self.top_p, "seed": self.seed, "stop": self.stop}
         # only what differs from the defaults, so a caller that sends none of these builds the same request
         for name, default in (("logprobs", None), ("ignore_eos", False), ("min_tokens", 0), ("priority", 0),
-                              ("session_id", None)):
+                              ("session_id", None), ("model", None)):
             if getattr(self, name) != default:
                 out[name] = getattr(self, name)
         return out
 
-    def with_session(self, session_id: str | None) -> GenerateArgs:
-        if not session_id:
-            return self
+    def served(self, *, model: str | None, session_id: str | None) -> GenerateArgs:
+        """The same request with what the HTTP layer knows: the served model, a session header (wins)."""
         from dataclasses import replace
 
-        return replace(self, session_id=session_id)
+        return replace(self, model=model, session_id=session_id or self.session_id)
 
 
 def _sampling(req: _Request) -> tuple[float, float]:
