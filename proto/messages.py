@@ -379,6 +379,7 @@ class RequestFinished(Message):
     timings: Timings | None = None  # server-side timings, for the cluster's latency histograms
     itl_ms: list[float] = Field(default_factory=list)  # inter-token gaps at the decoder (at most 512 kept)
     kv_bytes: int | None = None  # KV moved from a prefiller for this request
+    finish_reason: str | None = None  # the stream's finish reason (stop / length / cancelled / expired)
 
 
 # ---------------------------------------------------------------------------------------------- workers

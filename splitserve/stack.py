@@ -24,6 +24,7 @@ from proto import Heartbeat, Subjects
 from splitserve import discovery
 from splitserve.cpus import parse_cpus
 from splitserve.natsserver import NatsServer, child_preexec, free_port, start_nats
+from splitserve.obs.log import QUIET_ENV
 from splitserve.runtime.bus import Bus
 from splitserve.tenancy import natsauth
 from splitserve.tenancy.config import load_tenants
@@ -58,6 +59,7 @@ class StackConfig:
     long_prompt_tokens: int = 2048
     max_stall_ms: float = 100.0
     http_port: int = 8000  # the OpenAI-compatible front door; 0 (or taken) = a free port
+    http_host: str = "127.0.0.1"  # the front door's interface (0.0.0.0: every interface)
     log_level: str = "INFO"
     kv_connector: str = "nixl"  # --engine vllm: vLLM's KV connector between the pools (nixl | lmcache)
     kv_backend: str = "UCX"  # --engine vllm: NIXL backend (UCX | LIBFABRIC)
@@ -159,10 +161,13 @@ class Stack:
                                                    *worker_args("long", i), *common],
                              self.logs / f"{name}.log"))
         # The port is fixed here, once: a restarted front door comes back at the URL already printed.
-        port = free_port(c.http_port or None)
-        self.http_url = f"http://127.0.0.1:{port}"
+        port = free_port(c.http_port or None, host=c.http_host)
+        shown = "127.0.0.1" if c.http_host in ("0.0.0.0", "") else \
+            "[::1]" if c.http_host == "::" else f"[{c.http_host}]" if ":" in c.http_host else c.http_host
+        self.http_url = f"http://{shown}:{port}"
         out.append(Child("frontend-0", "frontend", py + ["services.frontend", "--worker-id", "frontend-0",
-                                                        "--port", str(port), *tenants, *common],
+                                                        "--host", c.http_host, "--port", str(port), *tenants,
+                                                        *common],
                          self.logs / "frontend-0.log"))
         return out
 
@@ -190,7 +195,9 @@ class Stack:
     def _spawn(self, ch: Child) -> None:
         ch.log.parent.mkdir(parents=True, exist_ok=True)
         with open(ch.log, "ab") as out:
-            env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+            # JSON logs only: progress bars off and library verbosity routed through logging from the start
+            env = {**QUIET_ENV, **os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+                   "TRANSFORMERS_OFFLINE": "1"}
             if self.auth is not None:
                 # Each service authenticates as its role's user; the environment (not argv, which any local
                 # user can read in ps) carries the password. A tenant's own variables must not leak in.

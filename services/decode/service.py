@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections import deque
@@ -48,6 +49,7 @@ from splitserve.cache.store import PrefixKvStore
 from splitserve.engines import KvSource, PrefillResult, PromptTooLong, Sampling, TokenLogprobs
 from splitserve.engines.detok import IncrementalDetokenizer, StopChecker
 from splitserve.kv import BlockPool, make_receiver
+from splitserve.kv.transport import usable_transport
 from splitserve.obs import tracing
 from splitserve.runtime.service import Service
 
@@ -144,6 +146,10 @@ class DecodeService(Service):
         info = self.engine.info
         self.layout = kv_layout(info, self.opts.block_size)
         self.pool = BlockPool(self.layout, self.layout.blocks_for_tokens(self.landing_tokens))
+        transport, why = usable_transport(self.opts.transport)
+        if why is not None:
+            self.log.warning("kv_transport_fallback", transport=transport, reason=why)
+            self.opts = dataclasses.replace(self.opts, transport=transport)
         self.receiver = await asyncio.to_thread(make_receiver, self.opts.transport, self.pool)
         self.kv_events = KvEventPublisher.for_worker(self.b, self.worker_id, info, self.thread,
                                                      block_size=self.opts.block_size, cache_tokens=self.cache_tokens,
@@ -488,7 +494,7 @@ class DecodeService(Service):
             request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id,
             status=status,  # type: ignore[arg-type]
             usage=usage, route=job.route, timings=seq.timings, itl_ms=[round(g, 3) for g in gaps],
-            kv_bytes=seq.kv_bytes))
+            kv_bytes=seq.kv_bytes, finish_reason=reason))
         sp = self.stream_spans.pop(job.request_id, None)
         if sp is None:
             sp = trace.INVALID_SPAN

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections import deque
 from typing import Any
@@ -44,6 +45,7 @@ from services.common.sampling import engine_sampling, wire_logprob
 from splitserve.cache.store import PrefixKvStore
 from splitserve.engines import LayerHook, PrefillResult, PromptTooLong, Sampling
 from splitserve.kv import BlockPool, make_sender
+from splitserve.kv.transport import usable_transport
 from splitserve.obs import tracing
 from splitserve.runtime.service import Service
 
@@ -94,6 +96,10 @@ class PrefillService(Service):
         # Staging holds one prompt's KV at a time: size it for the longest prompt the model takes.
         tokens = self.staging_tokens or info.max_model_len
         self.pool = BlockPool(self.layout, self.layout.blocks_for_tokens(tokens))
+        transport, why = usable_transport(self.opts.transport)
+        if why is not None:
+            self.log.warning("kv_transport_fallback", transport=transport, reason=why)
+            self.opts = dataclasses.replace(self.opts, transport=transport)
         self.sender = await asyncio.to_thread(make_sender, self.opts.transport, self.pool)
         self.kv_events = KvEventPublisher.for_worker(self.b, self.worker_id, info, self.thread,
                                                      block_size=self.opts.block_size, cache_tokens=self.cache_tokens,
