@@ -78,6 +78,7 @@ class Child:
     restarts: int = 0
     next_start: float = 0.0
     started_at: float = 0.0
+    env: dict[str, str] = field(default_factory=dict)  # this child's own variables
 
 
 class Stack:
@@ -169,6 +170,13 @@ class Stack:
                                                         "--host", c.http_host, "--port", str(port), *tenants,
                                                         *common],
                          self.logs / "frontend-0.log"))
+        if c.engine == "vllm":
+            # vLLM's own vllm:* series, one port per worker (fixed here: a restart keeps it)
+            for ch in out:
+                if ch.role in ("prefill", "decode"):
+                    port = free_port()
+                    ch.env["SPLITSERVE_VLLM_METRICS_PORT"] = str(port)
+                    self.echo(f"  {ch.name:<15} vLLM metrics at http://127.0.0.1:{port}/metrics")
         return out
 
     def _cpu_pools(self) -> dict[str, list[int]]:
@@ -198,6 +206,7 @@ class Stack:
             # JSON logs only: progress bars off and library verbosity routed through logging from the start
             env = {**QUIET_ENV, **os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
                    "TRANSFORMERS_OFFLINE": "1"}
+            env.update(ch.env)
             if self.auth is not None:
                 # Each service authenticates as its role's user; the environment (not argv, which any local
                 # user can read in ps) carries the password. A tenant's own variables must not leak in.

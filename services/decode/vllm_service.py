@@ -32,7 +32,7 @@ from proto import (
 from services.common.options import EngineOptions
 from services.common.sampling import engine_sampling
 from services.common.vllm_kv import VllmKvBridge
-from services.common.vllm_worker import VllmOptions, vllm_config, vllm_load
+from services.common.vllm_worker import VllmOptions, serve_vllm_metrics, vllm_config, vllm_load
 from services.decode.service import DecodeService, Sequence
 from splitserve.engines import PromptTooLong
 from splitserve.engines.detok import IncrementalDetokenizer, StopChecker
@@ -57,6 +57,7 @@ class VllmDecodeService(DecodeService):
         cfg = vllm_config(self.opts, self.vopts, role="decode", max_num_seqs=self.max_batch,
                           worker_id=self.worker_id)
         self.engine = await VllmEngine.start(cfg)  # type: ignore[assignment]
+        serve_vllm_metrics(self.log)
         if cfg.kv_events_endpoint:
             self.bridge = VllmKvBridge(self.b, self.worker_id, cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint,
                                        engine_block_size=self.engine.block_size,  # type: ignore[attr-defined]

@@ -27,7 +27,7 @@ from proto import (
 from services.common.options import EngineOptions
 from services.common.sampling import engine_sampling, wire_logprob
 from services.common.vllm_kv import VllmKvBridge
-from services.common.vllm_worker import VllmOptions, vllm_config, vllm_load
+from services.common.vllm_worker import VllmOptions, serve_vllm_metrics, vllm_config, vllm_load
 from services.prefill.service import JobFailed, PrefillService
 from splitserve.engines import PromptTooLong
 from splitserve.engines.generate import GenRequest
@@ -52,6 +52,7 @@ class VllmPrefillService(PrefillService):
         if cfg.kv_connector is None:
             raise ValueError("a vLLM prefill worker needs a KV connector (--kv-connector nixl|lmcache)")
         self.engine = await VllmEngine.start(cfg)  # type: ignore[assignment]
+        serve_vllm_metrics(self.log)
         if cfg.kv_events_endpoint:
             self.bridge = VllmKvBridge(self.b, self.worker_id, cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint,
                                        engine_block_size=self.engine.block_size,  # type: ignore[attr-defined]

@@ -234,3 +234,27 @@ def test_python_m_cli_trace_is_registered() -> None:
     cp = subprocess.run([sys.executable, "-m", "splitserve.cli", "trace", "--help"], capture_output=True,
                         text=True, timeout=120)
     assert cp.returncode == 0 and "waterfall" in cp.stdout, cp.stderr
+
+
+def test_vllm_workers_serve_their_own_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    import httpx2
+    from prometheus_client import REGISTRY, Counter
+
+    from services.common.vllm_worker import METRICS_PORT_ENV, serve_vllm_metrics
+
+    class Log:
+        def info(self, *a: Any, **kw: Any) -> None:
+            pass
+
+    monkeypatch.delenv(METRICS_PORT_ENV, raising=False)
+    assert serve_vllm_metrics(Log()) is None  # not asked for
+    monkeypatch.setenv(METRICS_PORT_ENV, "0")
+    # stands for vLLM's PrometheusStatLogger, which registers its series in the default registry
+    c = Counter("vllm:test_generation_tokens", "test", ["model_name"], registry=REGISTRY)
+    try:
+        c.labels("m").inc(3)
+        url = serve_vllm_metrics(Log())
+        assert url is not None
+        assert 'vllm:test_generation_tokens_total{model_name="m"} 3.0' in httpx2.get(url).text
+    finally:
+        REGISTRY.unregister(c)
