@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import IO
 
 from proto import Heartbeat, Subjects
 from splitserve import discovery
@@ -79,6 +83,12 @@ class Child:
     next_start: float = 0.0
     started_at: float = 0.0
     env: dict[str, str] = field(default_factory=dict)  # this child's own variables
+    pump: threading.Thread | None = None  # copies its output into its log (log_pump)
+
+    def drain_log(self, timeout: float = 2.0) -> None:
+        """Wait until everything the (exited) process wrote is in its log file."""
+        if self.pump is not None:
+            self.pump.join(timeout)
 
 
 class Stack:
@@ -202,18 +212,22 @@ class Stack:
 
     def _spawn(self, ch: Child) -> None:
         ch.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(ch.log, "ab") as out:
-            # JSON logs only: progress bars off and library verbosity routed through logging from the start
-            env = {**QUIET_ENV, **os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-                   "TRANSFORMERS_OFFLINE": "1"}
-            env.update(ch.env)
-            if self.auth is not None:
-                # Each service authenticates as its role's user; the environment (not argv, which any local
-                # user can read in ps) carries the password. A tenant's own variables must not leak in.
-                env.pop(natsauth.ENV_NKEY_SEED, None)
-                env[natsauth.ENV_USER], env[natsauth.ENV_PASSWORD] = self.auth.credentials(ch.role)
-            ch.proc = subprocess.Popen(ch.argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                       preexec_fn=child_preexec)
+        # the child's output reaches its log through log_pump (every line JSON)
+        # JSON logs only: progress bars off and library verbosity routed through logging from the start
+        env = {**QUIET_ENV, **os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+               "TRANSFORMERS_OFFLINE": "1"}
+        env.update(ch.env)
+        if self.auth is not None:
+            # Each service authenticates as its role's user; the environment (not argv, which any local
+            # user can read in ps) carries the password. A tenant's own variables must not leak in.
+            env.pop(natsauth.ENV_NKEY_SEED, None)
+            env[natsauth.ENV_USER], env[natsauth.ENV_PASSWORD] = self.auth.credentials(ch.role)
+        ch.proc = subprocess.Popen(ch.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                   preexec_fn=child_preexec)
+        assert ch.proc.stdout is not None
+        ch.pump = threading.Thread(target=log_pump, args=(ch.proc.stdout, ch.log, ch.name), daemon=True,
+                                   name=f"log-{ch.name}")
+        ch.pump.start()
         ch.ready = False
         ch.started_at = time.monotonic()
 
@@ -299,6 +313,7 @@ class Stack:
             for ch in self.children:
                 if ch.proc is not None and ch.proc.poll() is not None:
                     self.echo(f"  {ch.name:<15} FAILED to start (exit {ch.proc.returncode}); last log lines:")
+                    ch.drain_log()
                     self.echo(_tail(ch.log))
                     return 1
             if time.monotonic() - t0 > self.cfg.ready_timeout_s:
@@ -340,9 +355,34 @@ class Stack:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for ch in self.children:
+            ch.drain_log()
 
     def request_stop(self) -> None:
         self.stopping.set()
+
+
+def log_pump(src: IO[bytes], log: Path, service: str) -> None:
+    """Copy a child's output into its log, one JSON object per line. The services log JSON themselves (Python
+    logging included); what a native library writes straight to the file descriptor (a C++ extension's leak
+    report at exit, UCX, a fatal signal's dump) is wrapped here, so every line of every log parses."""
+    with open(log, "ab", buffering=0) as out:
+        for raw in iter(src.readline, b""):
+            out.write(json_line(raw, service))
+
+
+def json_line(raw: bytes, service: str) -> bytes:
+    text = raw.rstrip(b"\r\n")
+    if text.startswith(b"{"):
+        try:
+            if isinstance(json.loads(text), dict):
+                return text + b"\n"
+        except ValueError:
+            pass
+    event = {"event": text.decode("utf-8", errors="replace"), "level": "warning", "logger": "stderr",
+             "service": service, "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+             "note": "raw output of the process, not a log record"}
+    return json.dumps(event, ensure_ascii=False).encode() + b"\n"
 
 
 def _tail(path: Path, lines: int = 20) -> str:

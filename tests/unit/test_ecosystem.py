@@ -258,3 +258,16 @@ def test_vllm_workers_serve_their_own_registry(monkeypatch: pytest.MonkeyPatch) 
         assert 'vllm:test_generation_tokens_total{model_name="m"} 3.0' in httpx2.get(url).text
     finally:
         REGISTRY.unregister(c)
+
+
+def test_raw_process_output_is_wrapped_as_json() -> None:
+    import json
+
+    from splitserve.stack import json_line
+
+    rec = b'{"event": "ready", "level": "info"}\n'
+    assert json_line(rec, "decode-0") == rec  # the services' own JSON passes untouched
+    for raw in (b"nanobind: leaked 4 instances!\n", b"{not json\r\n", b"[1, 2]\n", b"\xff\xfe bytes\n"):
+        obj = json.loads(json_line(raw, "decode-0"))
+        assert obj["service"] == "decode-0" and obj["logger"] == "stderr" and obj["level"] == "warning"
+        assert obj["event"] == raw.rstrip(b"\r\n").decode("utf-8", errors="replace")
