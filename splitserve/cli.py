@@ -64,7 +64,7 @@ def _load_up_config(ctx: typer.Context, param: Any, value: Path | None) -> Path 
     for key, v in data.items():
         name = str(key).lstrip("-").replace("-", "_")
         if name not in names:
-            raise typer.BadParameter(f"{value}: unknown key {key!r}; the keys are up's flags: "
+            raise typer.BadParameter(f"unknown key {key!r} in {value}; the keys are up's flags: "
                                      f"{', '.join(sorted(n.replace('_', '-') for n in names))}",
                                      param_hint="--config")
         out[name] = str(v) if isinstance(v, Path) else v
