@@ -194,7 +194,7 @@ def test_every_line_of_every_service_log_is_json(stack: StackProc) -> None:
     for name in SERVICES:
         path = stack.state_dir / "logs" / f"{name}.log"
         lines = path.read_text(errors="replace").splitlines()
-        assert len(lines) > 3, name
+        assert len(lines) >= 2, name  # at least: ready, stopped
         for i, line in enumerate(lines):
             try:
                 obj = json.loads(line)
