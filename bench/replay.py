@@ -22,7 +22,8 @@ second run against the same stack does not hit the cache left by the first one.
 
 Each request is sent at its (sped-up) timestamp, independent of how far behind earlier ones are (open loop).
 TTFT is send -> first non-empty delta, ITL the gaps between later deltas, e2e send -> end of stream.
-Generation may stop early at EOS (the front door has no ``ignore_eos``): completion tokens are reported.
+Generation may stop early at EOS (this replay does not send ``ignore_eos``, which the front door now honours):
+completion tokens are reported.
 
     python -m bench.replay --trace mooncake --limit 40 --speedup 2 [--via http|nats] [--http-url H] [--json]
 """
