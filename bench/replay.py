@@ -22,7 +22,8 @@ second run against the same stack does not hit the cache left by the first one.
 
 Each request is sent at its (sped-up) timestamp, independent of how far behind earlier ones are (open loop).
 TTFT is send -> first non-empty delta, ITL the gaps between later deltas, e2e send -> end of stream.
-Generation may stop early at EOS (the front door has no ``ignore_eos``): completion tokens are reported.
+Generation may stop early at EOS (this replay does not send ``ignore_eos``, which the front door now honours):
+completion tokens are reported.
 
     python -m bench.replay --trace mooncake --limit 40 --speedup 2 [--via http|nats] [--http-url H] [--json]
 """
@@ -44,13 +45,15 @@ from pathlib import Path
 from typing import Any
 
 from bench.stats import fmt, summary
+from bench.workload import traces_dir
 
-TRACES_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
-TRACE_FILES = {
-    "azure-conv": TRACES_DIR / "AzureLLMInferenceTrace_conv_2023.csv",
-    "azure-code": TRACES_DIR / "AzureLLMInferenceTrace_code_2023.csv",
-    "mooncake": TRACES_DIR / "mooncake_synthetic_trace.jsonl",
+TRACE_NAMES = {
+    "azure-conv": "AzureLLMInferenceTrace_conv_2023.csv",
+    "azure-code": "AzureLLMInferenceTrace_code_2023.csv",
+    "mooncake": "mooncake_synthetic_trace.jsonl",
 }
+TRACES_DIR = traces_dir()  # ../shared/data/traces beside a checkout, else $SPLITSERVE_TRACES_DIR / --traces-dir
+TRACE_FILES = {name: TRACES_DIR / file for name, file in TRACE_NAMES.items()}
 MOONCAKE_BLOCK = 512  # tokens per hash id in the Mooncake trace
 # Token ids for synthetic prompts: clear of SmolLM2's special tokens (0..16) and of the vocab's far end.
 TOKEN_LO, TOKEN_HI = 1000, 40000
@@ -126,8 +129,10 @@ def read_mooncake(path: Path, limit: int | None = None, skip: int = 0) -> list[T
     return out
 
 
-def read_trace(name: str, limit: int | None = None, skip: int = 0) -> list[TraceRecord]:
-    path = TRACE_FILES[name]
+def read_trace(name: str, limit: int | None = None, skip: int = 0, traces: Path | None = None) -> list[TraceRecord]:
+    path = (traces / TRACE_NAMES[name]) if traces is not None else TRACE_FILES[name]
+    if not path.is_file():
+        raise SystemExit(f"trace file {path} not found: pass --traces-dir DIR or set $SPLITSERVE_TRACES_DIR")
     return read_mooncake(path, limit, skip) if name == "mooncake" else read_azure(path, limit, skip)
 
 
@@ -341,6 +346,8 @@ def report(res: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", choices=sorted(TRACE_FILES), default="mooncake")
+    ap.add_argument("--traces-dir", type=Path, default=None,
+                    help="folder of the trace files (default: $SPLITSERVE_TRACES_DIR, else ../shared/data/traces)")
     ap.add_argument("--limit", type=int, default=40, help="rows to replay")
     ap.add_argument("--skip", type=int, default=0, help="rows to skip first")
     ap.add_argument("--speedup", type=float, default=1.0, help="divide inter-arrival times by this")
@@ -361,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     salt = args.salt if args.salt is not None else int(time.time())
     sc = Scaling(args.speedup, args.prompt_scale, args.block_tokens, args.max_prompt, args.output_scale,
                  args.max_output, salt)
-    requests = scale(read_trace(args.trace, args.limit, args.skip), sc)
+    requests = scale(read_trace(args.trace, args.limit, args.skip, args.traces_dir), sc)
     if not requests:
         raise SystemExit("no rows selected")
 

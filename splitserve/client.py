@@ -52,6 +52,7 @@ class Delta:
     seq: int
     text: str
     token_ids: list[int]
+    logprobs: list[proto.TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class Result:
     total_ms: float
     timings: proto.Timings
     decision: dict[str, Any]
+    logprobs: list[proto.TokenLogprob] | None = None  # one per generated token, when asked for
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -83,7 +85,7 @@ def _to_result(final: StreamFinal, *, ttft_ms: float | None, total_ms: float) ->
         request_id=final.request_id, text=final.text, token_ids=list(final.token_ids),
         finish_reason=final.finish_reason, usage=final.usage, route=final.route.value,
         prefill_worker=final.prefill_worker, decode_worker=final.decode_worker, ttft_ms=ttft_ms,
-        total_ms=total_ms, timings=final.timings, decision=final.decision,
+        total_ms=total_ms, timings=final.timings, decision=final.decision, logprobs=final.logprobs,
     )
 
 
@@ -119,7 +121,7 @@ class Generation:
         # generator cannot be detached in another): made current only around the publish that carries it.
         span = tracing.tracer().start_span("client.generate", context=self._parent_ctx, attributes={
             "request_id": req.request_id, "tenant": req.tenant, "route.requested": req.route,
-            "max_tokens": req.sampling.max_tokens})
+            "max_tokens": req.sampling.max_tokens, **tracing.gen_ai_of(req)})
         try:
             with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
                 reply = await c._send(req)
@@ -175,7 +177,8 @@ class Generation:
                     # Deltas went missing but the final holds everything: release the rest as one delta.
                     early = {expected: StreamDelta(request_id=msg.request_id, seq=expected,
                                                    token_ids=list(msg.token_ids[emitted_tokens:]),
-                                                   text=msg.text[emitted_text:]),
+                                                   text=msg.text[emitted_text:],
+                                                   logprobs=(msg.logprobs or [])[emitted_tokens:] or None),
                              expected + 1: msg}
                 else:
                     early[msg.seq] = msg  # deltas and the final carry consecutive seq numbers
@@ -189,13 +192,18 @@ class Generation:
                         emitted_text += len(item.text)
                         emitted_tokens += len(item.token_ids)
                         yield Delta(request_id=item.request_id, seq=item.seq, text=item.text,
-                                    token_ids=list(item.token_ids))
+                                    token_ids=list(item.token_ids), logprobs=item.logprobs)
                     elif isinstance(item, StreamFinal):
                         self.result = _to_result(item, ttft_ms=ttft, total_ms=(time.perf_counter() - t0) * 1000)
                         tracing.set_attrs(span, route=item.route.value, finish_reason=item.finish_reason,
                                           completion_tokens=item.usage.completion_tokens,
                                           cached_tokens=item.usage.cached_tokens,
                                           prefill_worker=item.prefill_worker, decode_worker=item.decode_worker)
+                        tracing.gen_ai_response(span, response_id=item.request_id, model=item.model,
+                                                finish_reason=item.finish_reason,
+                                                input_tokens=item.usage.prompt_tokens,
+                                                output_tokens=item.usage.completion_tokens,
+                                                cached_tokens=item.usage.cached_tokens)
                         return
         except BaseException as exc:
             if not isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
@@ -319,7 +327,8 @@ class Client:
         """Start a streaming request. ``prompt`` is text (``chat=True`` wraps it as one user message), a list of
         chat messages (``{"role", "content"}``), or a list of token ids. Options: ``max_tokens``,
         ``temperature``, ``top_p``, ``seed``, ``stop``, ``ignore_eos`` (always generate ``max_tokens``: load
-        tests), ``session_id``, ``request_id``, ``timeout`` (a
+        tests), ``min_tokens``, ``logprobs`` (k: each token's log-probability and the k most likely),
+        ``session_id``, ``request_id``, ``timeout`` (a
         deadline in seconds), ``priority``, ``route``, and ``tenant`` (overrides the client's own for this
         request: a gateway serving many tenants over one connection)."""
         return Generation(self, self._build(prompt, **kw))
@@ -400,6 +409,8 @@ class Client:
         seed: int | None = None,
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
+        min_tokens: int = 0,
+        logprobs: int | None = None,
         session_id: str | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
@@ -407,6 +418,7 @@ class Client:
         route: Literal["auto", "direct", "disaggregated"] = "auto",
         tenant: str | None = None,
         async_job: bool = False,
+        model: str | None = None,
     ) -> GenerateRequest:
         rid = request_id or uuid.uuid4().hex
         tenant = self.tenant if tenant is None else tenant
@@ -424,11 +436,12 @@ class Client:
             req = GenerateRequest(
                 request_id=rid, tenant=tenant,
                 sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                        stop=list(stop), ignore_eos=ignore_eos),
+                                        stop=list(stop), ignore_eos=ignore_eos, min_tokens=min_tokens,
+                                        logprobs=logprobs),
                 session_id=session_id,
                 stream_subject=(proto.Subjects.result if async_job else proto.Subjects.stream)(tenant, rid),
                 deadline_ms=None if timeout is None else proto.now_ms() + timeout * 1000, priority=priority,
-                route=route, stream=not async_job, **fields,
+                route=route, stream=not async_job, model=model, **fields,
             )
         except ValueError as exc:
             raise errors.BadRequest(str(exc), request_id=rid) from None

@@ -11,19 +11,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import IO
 
 from proto import Heartbeat, Subjects
 from splitserve import discovery
 from splitserve.cpus import parse_cpus
 from splitserve.natsserver import NatsServer, child_preexec, free_port, start_nats
+from splitserve.obs.log import QUIET_ENV
 from splitserve.runtime.bus import Bus
 from splitserve.tenancy import consolekey, natsauth
 from splitserve.tenancy.config import load_tenants
@@ -58,6 +63,7 @@ class StackConfig:
     long_prompt_tokens: int = 2048
     max_stall_ms: float = 100.0
     http_port: int = 8000  # the OpenAI-compatible front door; 0 (or taken) = a free port
+    http_host: str = "127.0.0.1"  # the front door's interface (0.0.0.0: every interface)
     log_level: str = "INFO"
     kv_connector: str = "nixl"  # --engine vllm: vLLM's KV connector between the pools (nixl | lmcache)
     kv_backend: str = "UCX"  # --engine vllm: NIXL backend (UCX | LIBFABRIC)
@@ -76,6 +82,13 @@ class Child:
     restarts: int = 0
     next_start: float = 0.0
     started_at: float = 0.0
+    env: dict[str, str] = field(default_factory=dict)  # this child's own variables
+    pump: threading.Thread | None = None  # copies its output into its log (log_pump)
+
+    def drain_log(self, timeout: float = 2.0) -> None:
+        """Wait until everything the (exited) process wrote is in its log file."""
+        if self.pump is not None:
+            self.pump.join(timeout)
 
 
 class Stack:
@@ -159,11 +172,21 @@ class Stack:
                                                    *worker_args("long", i), *common],
                              self.logs / f"{name}.log"))
         # The port is fixed here, once: a restarted front door comes back at the URL already printed.
-        port = free_port(c.http_port or None)
-        self.http_url = f"http://127.0.0.1:{port}"
+        port = free_port(c.http_port or None, host=c.http_host)
+        shown = "127.0.0.1" if c.http_host in ("0.0.0.0", "") else \
+            "[::1]" if c.http_host == "::" else f"[{c.http_host}]" if ":" in c.http_host else c.http_host
+        self.http_url = f"http://{shown}:{port}"
         out.append(Child("frontend-0", "frontend", py + ["services.frontend", "--worker-id", "frontend-0",
-                                                        "--port", str(port), *tenants, *common],
+                                                        "--host", c.http_host, "--port", str(port), *tenants,
+                                                        *common],
                          self.logs / "frontend-0.log"))
+        if c.engine == "vllm":
+            # vLLM's own vllm:* series, one port per worker (fixed here: a restart keeps it)
+            for ch in out:
+                if ch.role in ("prefill", "decode"):
+                    port = free_port()
+                    ch.env["SPLITSERVE_VLLM_METRICS_PORT"] = str(port)
+                    self.echo(f"  {ch.name:<15} vLLM metrics at http://127.0.0.1:{port}/metrics")
         return out
 
     def _cpu_pools(self) -> dict[str, list[int]]:
@@ -189,17 +212,24 @@ class Stack:
 
     def _spawn(self, ch: Child) -> None:
         ch.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(ch.log, "ab") as out:
-            env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-            if self.auth is not None:
-                # Each service authenticates as its role's user; the environment (not argv, which any local
-                # user can read in ps) carries the password. A tenant's own variables must not leak in.
-                env.pop(natsauth.ENV_NKEY_SEED, None)
-                env[natsauth.ENV_USER], env[natsauth.ENV_PASSWORD] = self.auth.credentials(ch.role)
-                if ch.role == "frontend":  # the web console's admin key (see splitserve.tenancy.consolekey)
-                    env[consolekey.ADMIN_KEYS_ENV] = consolekey.ensure_console_key(self.cfg.state_dir)
-            ch.proc = subprocess.Popen(ch.argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                       preexec_fn=child_preexec)
+        # the child's output reaches its log through log_pump (every line JSON)
+        # JSON logs only: progress bars off and library verbosity routed through logging from the start
+        env = {**QUIET_ENV, **os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+               "TRANSFORMERS_OFFLINE": "1"}
+        env.update(ch.env)
+        if self.auth is not None:
+            # Each service authenticates as its role's user; the environment (not argv, which any local
+            # user can read in ps) carries the password. A tenant's own variables must not leak in.
+            env.pop(natsauth.ENV_NKEY_SEED, None)
+            env[natsauth.ENV_USER], env[natsauth.ENV_PASSWORD] = self.auth.credentials(ch.role)
+            if ch.role == "frontend":  # the web console's admin key (see splitserve.tenancy.consolekey)
+                env[consolekey.ADMIN_KEYS_ENV] = consolekey.ensure_console_key(self.cfg.state_dir)
+        ch.proc = subprocess.Popen(ch.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                   preexec_fn=child_preexec)
+        assert ch.proc.stdout is not None
+        ch.pump = threading.Thread(target=log_pump, args=(ch.proc.stdout, ch.log, ch.name), daemon=True,
+                                   name=f"log-{ch.name}")
+        ch.pump.start()
         ch.ready = False
         ch.started_at = time.monotonic()
 
@@ -289,6 +319,7 @@ class Stack:
             for ch in self.children:
                 if ch.proc is not None and ch.proc.poll() is not None:
                     self.echo(f"  {ch.name:<15} FAILED to start (exit {ch.proc.returncode}); last log lines:")
+                    ch.drain_log()
                     self.echo(_tail(ch.log))
                     return 1
             if time.monotonic() - t0 > self.cfg.ready_timeout_s:
@@ -330,9 +361,34 @@ class Stack:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for ch in self.children:
+            ch.drain_log()
 
     def request_stop(self) -> None:
         self.stopping.set()
+
+
+def log_pump(src: IO[bytes], log: Path, service: str) -> None:
+    """Copy a child's output into its log, one JSON object per line. The services log JSON themselves (Python
+    logging included); what a native library writes straight to the file descriptor (a C++ extension's leak
+    report at exit, UCX, a fatal signal's dump) is wrapped here, so every line of every log parses."""
+    with open(log, "ab", buffering=0) as out:
+        for raw in iter(src.readline, b""):
+            out.write(json_line(raw, service))
+
+
+def json_line(raw: bytes, service: str) -> bytes:
+    text = raw.rstrip(b"\r\n")
+    if text.startswith(b"{"):
+        try:
+            if isinstance(json.loads(text), dict):
+                return text + b"\n"
+        except ValueError:
+            pass
+    event = {"event": text.decode("utf-8", errors="replace"), "level": "warning", "logger": "stderr",
+             "service": service, "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+             "note": "raw output of the process, not a log record"}
+    return json.dumps(event, ensure_ascii=False).encode() + b"\n"
 
 
 def _tail(path: Path, lines: int = 20) -> str:

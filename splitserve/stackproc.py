@@ -82,13 +82,15 @@ class StackProc:
         return self.proc.returncode
 
 
-def start_stack(state_dir: Path, *args: str, timeout: float = 420.0) -> StackProc:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    exe = str(Path(sys.executable).parent / "splitserve")
+def start_stack(state_dir: Path, *args: str, timeout: float = 420.0, exe: str | None = None,
+                env: dict[str, str] | None = None, cwd: Path | None = None) -> StackProc:
+    """``exe``: another installation's ``splitserve`` (the wheel test), with its own ``env`` and ``cwd``."""
+    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
+    exe = exe or str(Path(sys.executable).parent / "splitserve")
     # Free ports by default (tests run beside a developer's own stack); a later --http-port in args wins.
     proc = subprocess.Popen([exe, "up", "--nats-port", "0", "--http-port", "0", "--state-dir", str(state_dir),
                              *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
     lines: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:

@@ -66,3 +66,24 @@ def vllm_load(engine: Any, *, active: int, queued: int, route_block_size: int,
     return WorkerLoad(active_seqs=max(active, el.running), queued_requests=max(queued, el.waiting),
                       free_blocks=max(0, total - used), total_blocks=total, used_blocks=used,
                       cached_blocks=cached_blocks * per)
+
+
+METRICS_PORT_ENV = "SPLITSERVE_VLLM_METRICS_PORT"
+
+
+def serve_vllm_metrics(log: Any) -> str | None:
+    """vLLM's own Prometheus series (``vllm:*``: its scheduler, KV cache, prefix cache, spec decode...) live in
+    this process's default registry (vLLM's stat loggers run in the AsyncLLM process, i.e. here). Serve them on
+    ``$SPLITSERVE_VLLM_METRICS_PORT`` (0: a free port) when set; ``splitserve up --engine vllm`` sets one per
+    worker and prints it. Returns the URL, or None when not asked for."""
+    raw = os.environ.get(METRICS_PORT_ENV, "").strip()
+    if not raw:
+        return None
+    from prometheus_client import REGISTRY, start_http_server
+
+    port = free_port() if raw == "0" else int(raw)
+    host = os.environ.get("SPLITSERVE_VLLM_METRICS_HOST", "127.0.0.1")
+    start_http_server(port, addr=host, registry=REGISTRY)
+    url = f"http://{host}:{port}/metrics"
+    log.info("vllm_metrics_listening", url=url)
+    return url

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections import deque
@@ -35,6 +36,7 @@ from proto import (
     StreamFinal,
     Subjects,
     Timings,
+    TokenLogprob,
     Usage,
     WorkerLoad,
     now_ms,
@@ -42,10 +44,12 @@ from proto import (
 from services.common.engine_thread import EngineThread
 from services.common.kvcache import KvEventPublisher, kv_layout
 from services.common.options import EngineOptions
+from services.common.sampling import engine_sampling, wire_logprob
 from splitserve.cache.store import PrefixKvStore
-from splitserve.engines import KvSource, PrefillResult, PromptTooLong, Sampling
+from splitserve.engines import KvSource, PrefillResult, PromptTooLong, Sampling, TokenLogprobs
 from splitserve.engines.detok import IncrementalDetokenizer, StopChecker
 from splitserve.kv import BlockPool, make_receiver
+from splitserve.kv.transport import usable_transport
 from splitserve.obs import tracing
 from splitserve.runtime.service import Service
 
@@ -71,6 +75,7 @@ class Admission:
     headers: dict[str, str] | None = None
     started_ms: float | None = None  # when the first worker started the job
     kv_bytes: int | None = None  # KV bytes pushed by the prefiller
+    first_logprob: TokenLogprob | None = None  # the prefiller's, when the request asked for logprobs
 
 
 @dataclass
@@ -86,6 +91,7 @@ class Sequence:
     timings: Timings = field(default_factory=Timings)
     started: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)  # perf_counter per emitted token (ITL summary)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when asked for
 
 
 class DecodeService(Service):
@@ -140,6 +146,10 @@ class DecodeService(Service):
         info = self.engine.info
         self.layout = kv_layout(info, self.opts.block_size)
         self.pool = BlockPool(self.layout, self.layout.blocks_for_tokens(self.landing_tokens))
+        transport, why = usable_transport(self.opts.transport)
+        if why is not None:
+            self.log.warning("kv_transport_fallback", transport=transport, reason=why)
+            self.opts = dataclasses.replace(self.opts, transport=transport)
         self.receiver = await asyncio.to_thread(make_receiver, self.opts.transport, self.pool)
         self.kv_events = KvEventPublisher.for_worker(self.b, self.worker_id, info, self.thread,
                                                      block_size=self.opts.block_size, cache_tokens=self.cache_tokens,
@@ -281,7 +291,8 @@ class DecodeService(Service):
                                       first_token=done.first_token,
                                       cached_tokens=done.kv.cached_tokens, prefill_ms=done.kv.prefill_ms,
                                       transfer_ms=done.kv.transfer_ms, headers=dict(msg.headers or {}),
-                                      started_ms=done.kv.started_ms, kv_bytes=done.kv.kv_bytes))
+                                      started_ms=done.kv.started_ms, kv_bytes=done.kv.kv_bytes,
+                                      first_logprob=done.first_logprob))
         self._wake.set()
 
     async def _lease_sweeper(self) -> None:
@@ -335,9 +346,9 @@ class DecodeService(Service):
         if job.deadline_ms is not None and now_ms() > job.deadline_ms:
             await self._finish_unstarted(job, "expired")
             return
-        sampling = Sampling(temperature=job.sampling.temperature, top_p=job.sampling.top_p,
-                            seed=job.sampling.seed)
+        sampling = engine_sampling(job.sampling, len(job.prompt_token_ids), self.engine.info.eos_token_ids)
         kv, first, prefill_ms = adm.kv, adm.first_token, adm.prefill_ms
+        first_lp = adm.first_logprob
         with tracing.span_from(adm.headers, "decode.admit", request_id=job.request_id, tenant=job.tenant,
                                route=str(job.route), prompt_tokens=len(job.prompt_token_ids),
                                queue_wait_ms=round(max(0.0, now_ms() - (adm.started_ms or job.routed_ms)), 2),
@@ -352,6 +363,7 @@ class DecodeService(Service):
                     return
                 prefill_ms = (time.perf_counter() - t0) * 1000
                 kv, first = res.kv, res.first_token
+                first_lp = self._wire_lp(res.first_logprobs)
                 adm.cached_tokens = len(job.prompt_token_ids) - res.num_computed_tokens
             assert first is not None
             await self.thread.run(self.engine.add_sequence, job.request_id, kv, first, sampling)
@@ -361,12 +373,13 @@ class DecodeService(Service):
                               first_token_ms=round(now_ms() - job.created_ms, 2))
             self.stream_spans[job.request_id] = tracing.tracer().start_span(
                 "decode.stream", context=tracing.extract(adm.headers),
-                attributes={"request_id": job.request_id, "tenant": job.tenant, "route": str(job.route)})
+                attributes={"request_id": job.request_id, "tenant": job.tenant, "route": str(job.route),
+                            **self._gen_ai(job)})
         seq = Sequence(
             job=job,
             detok=IncrementalDetokenizer(self.engine, job.prompt_token_ids),
             stop=StopChecker(job.sampling.stop, () if job.sampling.ignore_eos else self.engine.info.eos_token_ids,
-                             self._max_new(job)),
+                             self._max_new(job), min_tokens=job.sampling.min_tokens),
             cached_tokens=adm.cached_tokens,
             kv_bytes=adm.kv_bytes,
             timings=Timings(queue_ms=job.routed_ms - job.created_ms, dispatch_ms=started_ms - job.created_ms,
@@ -374,7 +387,7 @@ class DecodeService(Service):
                             transfer_ms=adm.transfer_ms),
         )
         self.active[job.request_id] = seq
-        await self._emit(seq, first)
+        await self._emit(seq, first, first_lp)
 
     async def _local_prefill(self, ids: list[int], sampling: Sampling) -> PrefillResult:
         """Prefill on this decoder, reusing the longest cached prefix. While other streams are active, a
@@ -403,7 +416,8 @@ class DecodeService(Service):
         if computed >= 64 and compute_s > 0:  # tiny prompts say more about overhead than speed
             rate = computed / compute_s
             self.prefill_tps = rate if self.prefill_tps is None else 0.7 * self.prefill_tps + 0.3 * rate
-        return PrefillResult(first_token=res.first_token, kv=res.kv, num_computed_tokens=computed)
+        return PrefillResult(first_token=res.first_token, kv=res.kv, num_computed_tokens=computed,
+                             first_logprobs=res.first_logprobs)
 
     def _retire(self, request_id: str, tokens: list[int], keep: bool) -> None:
         """Engine thread: drop a sequence, keeping its KV as reusable prefix blocks when it ended well."""
@@ -418,14 +432,24 @@ class DecodeService(Service):
     async def _step(self) -> None:
         t0 = time.perf_counter()
         out = await self.thread.run(self.engine.step)
+        lps = dict(self.engine.step_logprobs())
         ms = (time.perf_counter() - t0) * 1000
         self.step_ms = ms if self.step_ms is None else 0.8 * self.step_ms + 0.2 * ms
         for rid, tok in out.items():
             seq = self.active.get(rid)
             if seq is not None:
-                await self._emit(seq, tok)
+                await self._emit(seq, tok, self._wire_lp(lps.get(rid)))
 
-    async def _emit(self, seq: Sequence, token: int) -> None:
+    def _gen_ai(self, job: DecodeJob) -> dict[str, Any]:
+        p = job.sampling
+        return tracing.gen_ai_request(chat=False, model=self.engine.info.name, max_tokens=p.max_tokens,
+                                      temperature=p.temperature, top_p=p.top_p, seed=p.seed, stop=p.stop,
+                                      request_id=job.request_id)
+
+    def _wire_lp(self, lp: TokenLogprobs | None) -> TokenLogprob | None:
+        return wire_logprob(self.engine, lp)
+
+    async def _emit(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         job = seq.job
         if job.deadline_ms is not None and now_ms() > job.deadline_ms:
             await self._finish(seq, "expired")  # stop decoding and free the KV; the caller keeps what it got
@@ -434,14 +458,17 @@ class DecodeService(Service):
             seq.timings.ttft_server_ms = now_ms() - job.created_ms
         seq.generated.append(token)
         seq.token_times.append(time.perf_counter())
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         upd = seq.stop.update(token, seq.detok.feed(token))
         text, reason = upd.text, upd.finish_reason
         if reason == "length":
             text += seq.detok.flush()  # release a character still waiting for bytes that will never come
         seq.text += text
         if job.stream and (text or reason is None):
-            await self.b.publish(job.stream_subject, StreamDelta(request_id=job.request_id, seq=seq.seq_no,
-                                                                 token_ids=[token], text=text))
+            await self.b.publish(job.stream_subject, StreamDelta(
+                request_id=job.request_id, seq=seq.seq_no, token_ids=[token], text=text,
+                logprobs=[logprob] if logprob is not None else None))
             seq.seq_no += 1
         if reason is not None:
             await self._finish(seq, reason)
@@ -457,6 +484,8 @@ class DecodeService(Service):
             finish_reason=reason,  # type: ignore[arg-type]
             usage=usage, route=job.route, prefill_worker=job.prefill_worker, decode_worker=self.worker_id,
             timings=seq.timings, decision=job.decision,
+            logprobs=seq.logprobs if job.sampling.logprobs is not None else None,
+            model=self.engine.info.name,
         )
         await self.b.publish(job.stream_subject, final)
         status = "ok" if reason in ("stop", "length") else reason
@@ -465,7 +494,7 @@ class DecodeService(Service):
             request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id,
             status=status,  # type: ignore[arg-type]
             usage=usage, route=job.route, timings=seq.timings, itl_ms=[round(g, 3) for g in gaps],
-            kv_bytes=seq.kv_bytes))
+            kv_bytes=seq.kv_bytes, finish_reason=reason))
         sp = self.stream_spans.pop(job.request_id, None)
         if sp is None:
             sp = trace.INVALID_SPAN
@@ -475,6 +504,9 @@ class DecodeService(Service):
                           total_ms=seq.timings.total_ms,
                           itl_p50_ms=round(itl[len(itl) // 2], 3) if itl else None,
                           itl_max_ms=round(itl[-1], 3) if itl else None)
+        tracing.gen_ai_response(sp, response_id=job.request_id, model=self.engine.info.name, finish_reason=reason,
+                                input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
+                                cached_tokens=usage.cached_tokens)
         with trace.use_span(sp, end_on_exit=True):  # the log line carries this span's trace and span ids
             self.log.info("finished", request_id=job.request_id, tenant=job.tenant, finish_reason=reason,
                           completion_tokens=len(seq.generated), route=str(job.route),

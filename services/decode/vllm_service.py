@@ -30,10 +30,11 @@ from proto import (
     now_ms,
 )
 from services.common.options import EngineOptions
+from services.common.sampling import engine_sampling
 from services.common.vllm_kv import VllmKvBridge
-from services.common.vllm_worker import VllmOptions, vllm_config, vllm_load
+from services.common.vllm_worker import VllmOptions, serve_vllm_metrics, vllm_config, vllm_load
 from services.decode.service import DecodeService, Sequence
-from splitserve.engines import PromptTooLong, Sampling
+from splitserve.engines import PromptTooLong
 from splitserve.engines.detok import IncrementalDetokenizer, StopChecker
 from splitserve.engines.generate import GenRequest
 from splitserve.obs import tracing
@@ -56,6 +57,7 @@ class VllmDecodeService(DecodeService):
         cfg = vllm_config(self.opts, self.vopts, role="decode", max_num_seqs=self.max_batch,
                           worker_id=self.worker_id)
         self.engine = await VllmEngine.start(cfg)  # type: ignore[assignment]
+        serve_vllm_metrics(self.log)
         if cfg.kv_events_endpoint:
             self.bridge = VllmKvBridge(self.b, self.worker_id, cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint,
                                        engine_block_size=self.engine.block_size,  # type: ignore[attr-defined]
@@ -151,12 +153,12 @@ class VllmDecodeService(DecodeService):
             await self._finish_unstarted(job, "expired")
             return
         started_ms = done.kv.started_ms if done is not None and done.kv.started_ms else now_ms()
-        sampling = Sampling(temperature=job.sampling.temperature, top_p=job.sampling.top_p, seed=job.sampling.seed)
+        sampling = engine_sampling(job.sampling, len(job.prompt_token_ids), self.engine.info.eos_token_ids)
         eos = () if job.sampling.ignore_eos else self.engine.info.eos_token_ids
         max_new = self._max_new(job)
         seq = Sequence(
             job=job, detok=IncrementalDetokenizer(self.engine, job.prompt_token_ids),  # type: ignore[arg-type]
-            stop=StopChecker(job.sampling.stop, eos, max_new),
+            stop=StopChecker(job.sampling.stop, eos, max_new, min_tokens=job.sampling.min_tokens),
             kv_bytes=done.kv.kv_bytes if done is not None else None,
             timings=Timings(queue_ms=job.routed_ms - job.created_ms, dispatch_ms=started_ms - job.created_ms,
                             prefill_ms=done.kv.prefill_ms if done is not None else None))
@@ -171,7 +173,7 @@ class VllmDecodeService(DecodeService):
         first = True
         if given is not None:
             self.active[rid] = seq
-            await self._emit(seq, given)
+            await self._emit(seq, given, done.first_logprob if done is not None else None)
             if rid not in self.active:  # finished on its first token (EOS, stop string, max_tokens 1)
                 return
         reason: str | None = None
@@ -199,12 +201,14 @@ class VllmDecodeService(DecodeService):
                             pass
                         self.stream_spans[rid] = tracing.tracer().start_span(
                             "decode.stream", context=tracing.extract(headers),
-                            attributes={"request_id": rid, "tenant": job.tenant, "route": str(job.route)})
+                            attributes={"request_id": rid, "tenant": job.tenant, "route": str(job.route),
+                                        **self._gen_ai(job)})
                         self.active[rid] = seq
-                    for tok in out.token_ids:
+                    lps = out.logprobs or []
+                    for i, tok in enumerate(out.token_ids):
                         if rid not in self.active:
                             break
-                        await self._emit(seq, tok)
+                        await self._emit(seq, tok, self._wire_lp(lps[i] if i < len(lps) else None))
                     if rid not in self.active or out.finished:
                         reason = out.finish_reason
                         break

@@ -27,6 +27,10 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_fastapi_instrumentator import Instrumentator
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -45,6 +49,7 @@ log = get_logger("frontend.http")
 T = TypeVar("T")
 
 REQUEST_ID_HEADER = "X-Request-Id"
+SESSION_HEADER = "X-Session-Id"  # the session key for sticky routing (else the body's ``user``)
 PROBE_PATHS = frozenset({"/healthz", "/health", "/readyz", "/metrics"})
 # Far above any prompt NATS can carry (max_payload 8 MiB): only stops a body from filling this process's memory.
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -168,7 +173,10 @@ class RequestIdMiddleware:
         # this request, becomes a child of the caller's span.
         hdrs = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []
                 if k.lower() in (b"traceparent", b"tracestate")}
-        token = otel_context.attach(tracing.extract(hdrs)) if hdrs else None
+        # (Only when no server span is current: the ASGI instrumentation outside this middleware has already
+        # continued the caller's trace, and its span must stay the parent.)
+        outer = trace.get_current_span().get_span_context().is_valid
+        token = otel_context.attach(tracing.extract(hdrs)) if hdrs and not outer else None
         try:
             await self.app(scope, receive, send_with_id)
         finally:
@@ -311,9 +319,13 @@ class EventStreamResponse(Response):
         if opening is not None:
             yield sse(opening)
         delta = self.first
+        held: list[Any] = []  # logprobs of tokens whose text is held back: they go with the next text
         while delta is not None:
+            if delta.logprobs:
+                held.extend(delta.logprobs)
             if delta.text:  # a delta can be empty while the detokenizer holds back a partial character
-                yield sse(r.text_chunk(delta.text))
+                yield sse(r.text_chunk(delta.text, held if r.logprobs else None))
+                held = []
             try:
                 delta = await self.relay.next()
             except errors.SplitserveError as exc:
@@ -375,9 +387,13 @@ async def parse_body(request: Request, model: type[R]) -> R:
     if not isinstance(data, dict):
         raise oa.ApiError(400, "The request body must be a JSON object.")
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as exc:
         raise oa.api_error_from_validation(exc) from None
+    for name in oa.unknown_fields_once(body.model_extra):
+        log.warning("unknown_request_field_ignored", field=name, path=request.url.path,
+                    note="logged once per field name")
+    return body
 
 
 
@@ -388,6 +404,15 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
     app.state.inflight = inflight
     started = int(time.time())
     app.add_middleware(RequestIdMiddleware)
+    # HTTP server metrics of this process (http_requests_total, http_request_duration_seconds...: the names
+    # vLLM's own server exposes, from the same library), beside the cluster's series on /metrics.
+    http_registry = CollectorRegistry()
+    Instrumentator(excluded_handlers=["/metrics"], registry=http_registry).instrument(app)
+    # The standard ASGI server span (outermost): it continues the caller's traceparent, and every span of the
+    # request (client.generate, router, workers) is its child. Probes are not traced; nor are the per-chunk
+    # send/receive events (one span per SSE chunk otherwise).
+    app.add_middleware(OpenTelemetryMiddleware, excluded_urls="healthz,health,readyz,metrics",
+                       exclude_spans=["receive", "send"])
 
     @app.exception_handler(oa.ApiError)
     async def _api_error(_: Request, exc: oa.ApiError) -> JSONResponse:
@@ -427,8 +452,12 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
         if rid in inflight:
             raise oa.ApiError(409, f"request id {rid} is already in flight", param=REQUEST_ID_HEADER,
                               code="duplicate_request_id")
+        args = args.served(model=model, session_id=request.headers.get(SESSION_HEADER))
+        trace.get_current_span().set_attributes({"request_id": rid, "gen_ai.request.model": model,
+                                                 "gen_ai.operation.name": "chat" if args.kind == "chat"
+                                                 else "text_completion"})
         responder = oa.Responder(kind=args.kind, request_id=rid, model=model, created=int(time.time()),
-                                 include_usage=args.include_usage)
+                                 include_usage=args.include_usage, logprobs=args.logprobs is not None)
         try:
             stream = backend.generate(args, tenant=tenant, request_id=rid)
         except errors.SplitserveError as exc:
@@ -471,7 +500,9 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
         return await serve(request, oa.completion_args(body), tenant=tenant, model=model)
 
     def model_card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": started, "owned_by": "splitserve"}
+        # max_model_len as vLLM's server reports it (clients size prompts by it); null until a decoder announced
+        return {"id": name, "object": "model", "created": started, "owned_by": "splitserve", "root": name,
+                "parent": None, "max_model_len": backend.max_model_len}
 
     @app.get("/v1/models")
     async def models(_: str = Depends(tenant_of)) -> dict[str, Any]:
@@ -491,7 +522,7 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
 
     @app.get("/metrics", response_model=None)
     async def metrics() -> Response:
-        return Response(backend.metrics(), media_type=METRICS_CONTENT_TYPE)
+        return Response(backend.metrics() + generate_latest(http_registry), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/readyz", response_model=None)
     async def readyz() -> JSONResponse:

@@ -1,20 +1,26 @@
 """OpenAI wire shapes for the front door: request models, their translation into a splitserve request, the
 response / stream-chunk builders, and the mapping of every ``proto.ErrorCode`` to an HTTP status.
 
-Pure: no I/O, no NATS, no HTTP server, so all of it is unit-tested directly. Request models ignore fields
-they do not know (OpenAI adds fields often; clients send them), and reject only what would change the
-answer in a way this server cannot honour (``n`` > 1, ``echo``, ``best_of`` > 1, non-text content).
+Pure: no I/O, no NATS, no HTTP server, so all of it is unit-tested directly.
+
+Honest by construction: every field OpenAI (or vLLM's server) defines is either implemented (sampling,
+``stop``, ``logprobs`` / ``top_logprobs``, ``ignore_eos``, ``min_tokens``, ``priority``, ``user`` as the
+session key, ``stream_options.include_usage``) or, when sent with a value that would change the answer,
+rejected with a 400 naming it (:data:`UNSUPPORTED`: tools, response_format, penalties, logit_bias, top_k,
+min_p, ...). Fields nobody defined are ignored (clients send vendor extras) and logged once per name.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from proto import ErrorCode
+from proto import ErrorCode, TokenLogprob
 from splitserve.client import Result
 from splitserve.errors import SplitserveError
 
@@ -23,6 +29,8 @@ MAX_TOKENS_CAP = 1_000_000
 # OpenAI's documented default for /v1/completions (chat has none: "until the model stops").
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_STOP_SEQUENCES = 16
+MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit (vLLM's default max_logprobs too)
+PRIORITY_CLASSES = 10  # splitserve's per-tenant priority classes 0 (most urgent) .. 9
 
 Kind = Literal["chat", "completion"]
 
@@ -124,12 +132,97 @@ def invalid_api_key() -> ApiError:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _no_continuous(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("continuous_usage_stats is not supported; usage comes in the last chunk")
+        return v
+
+
+def _neutral(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: v in values
+
+
+# Fields this server does not implement, with the values that ask for nothing (accepted: many clients send
+# defaults explicitly); any other value is a 400 naming the field.
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "tools": _neutral(None, []),
+    "tool_choice": _neutral(None, "none"),
+    "functions": _neutral(None, []),
+    "function_call": _neutral(None, "none"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text" and len(v) == 1),
+    "presence_penalty": _neutral(None, 0, 0.0),
+    "frequency_penalty": _neutral(None, 0, 0.0),
+    "repetition_penalty": _neutral(None, 1, 1.0),
+    "logit_bias": _neutral(None, {}),
+    "top_k": _neutral(None, -1, 0),
+    "min_p": _neutral(None, 0, 0.0),
+    "prompt_logprobs": _neutral(None),
+    "use_beam_search": _neutral(None, False),
+    "length_penalty": _neutral(None, 1, 1.0),
+    "stop_token_ids": _neutral(None, []),
+    "bad_words": _neutral(None, []),
+    "allowed_token_ids": _neutral(None),
+    "include_stop_str_in_output": _neutral(None, False),
+    "skip_special_tokens": _neutral(None, True),
+    "spaces_between_special_tokens": _neutral(None, True),
+    "truncate_prompt_tokens": _neutral(None),
+    "guided_json": _neutral(None),
+    "guided_regex": _neutral(None),
+    "guided_choice": _neutral(None),
+    "guided_grammar": _neutral(None),
+    "structured_outputs": _neutral(None),
+    "modalities": _neutral(None, ["text"]),
+    "audio": _neutral(None),
+    "prediction": _neutral(None),
+    "reasoning_effort": _neutral(None),
+    "web_search_options": _neutral(None),
+    "store": _neutral(None, False),
+    "return_tokens_as_token_ids": _neutral(None, False),
+    "kv_transfer_params": _neutral(None),
+    "cache_salt": _neutral(None),
+    "chat_template": _neutral(None),
+    "chat_template_kwargs": _neutral(None, {}),
+    "continue_final_message": _neutral(None, False),
+    "add_generation_prompt": _neutral(None, True),
+    "mm_processor_kwargs": _neutral(None),
+}
+# Defined by OpenAI but with no effect on the answer here: accepted without a warning.
+HARMLESS = frozenset({"metadata", "service_tier", "parallel_tool_calls", "verbosity", "documents",
+                      "request_id", "add_special_tokens"})
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def unknown_fields_once(extra: dict[str, Any] | None) -> list[str]:
+    """Names in ``extra`` not seen before (process-wide): the caller logs each once, not per request."""
+    new = []
+    with _warned_lock:
+        for name in extra or {}:
+            if name not in UNSUPPORTED and name not in HARMLESS and name not in _warned:
+                _warned.add(name)
+                new.append(name)
+    return new
+
+
+def check_unsupported(req: BaseModel) -> None:
+    extra = req.model_extra or {}
+    for name, neutral in UNSUPPORTED.items():
+        if name in extra and not neutral(extra[name]):
+            raise ApiError(400, f"'{name}' is not supported by this server (it would change the answer in a way "
+                           f"it cannot honour); omit it or send its default", param=name,
+                           code="unsupported_parameter")
 
 
 class _Request(BaseModel):
-    """Fields shared by /v1/chat/completions and /v1/completions. ``user`` and everything unknown is ignored."""
+    """Fields shared by /v1/chat/completions and /v1/completions. Unknown fields land in ``model_extra``:
+    :func:`check_unsupported` rejects the unsupported ones, the rest are ignored (and logged once)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     model: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -139,6 +232,11 @@ class _Request(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     n: int | None = None
+    ignore_eos: bool | None = False
+    min_tokens: int | None = Field(default=None, ge=0)
+    # vLLM's semantics: lower is served earlier; splitserve has classes 0..9 per tenant.
+    priority: int | None = Field(default=None, ge=0, lt=PRIORITY_CLASSES)
+    user: str | None = Field(default=None, max_length=256)  # the session key (sticky routing) unless a header
 
     @field_validator("n")
     @classmethod
@@ -174,6 +272,8 @@ class ChatMessageIn(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class CompletionRequest(_Request):
@@ -181,6 +281,7 @@ class CompletionRequest(_Request):
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # completions: how many alternatives
 
 
 # OpenAI's newer role names, mapped onto the four the chat template knows.
@@ -201,10 +302,28 @@ class GenerateArgs:
     stop: list[str]
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # None: none; k: each token's and the k most likely alternatives
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    priority: int = 0
+    session_id: str | None = None
+    model: str | None = None  # the served model's name (spans and logs)
 
     def client_kwargs(self) -> dict[str, Any]:
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "seed": self.seed, "stop": self.stop}
+        out: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature,
+                               "top_p": self.top_p, "seed": self.seed, "stop": self.stop}
+        # only what differs from the defaults, so a caller that sends none of these builds the same request
+        for name, default in (("logprobs", None), ("ignore_eos", False), ("min_tokens", 0), ("priority", 0),
+                              ("session_id", None), ("model", None)):
+            if getattr(self, name) != default:
+                out[name] = getattr(self, name)
+        return out
+
+    def served(self, *, model: str | None, session_id: str | None) -> GenerateArgs:
+        """The same request with what the HTTP layer knows: the served model, a session header (wins)."""
+        from dataclasses import replace
+
+        return replace(self, model=model, session_id=session_id or self.session_id)
 
 
 def _sampling(req: _Request) -> tuple[float, float]:
@@ -219,6 +338,17 @@ def _sampling(req: _Request) -> tuple[float, float]:
 
 def _stops(req: _Request) -> list[str]:
     return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+
+
+def _common(req: _Request, max_tokens: int) -> dict[str, Any]:
+    """The options both endpoints share, checked together."""
+    check_unsupported(req)
+    min_tokens = req.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})",
+                       param="min_tokens", code="invalid_value")
+    return {"ignore_eos": bool(req.ignore_eos), "min_tokens": min_tokens, "priority": req.priority or 0,
+            "session_id": req.user or None}
 
 
 def _content_text(msg: ChatMessageIn, i: int) -> str:
@@ -244,9 +374,14 @@ def chat_args(req: ChatCompletionRequest, *, default_max_tokens: int) -> Generat
     # max_completion_tokens supersedes the deprecated max_tokens when both are sent.
     limit = req.max_completion_tokens or req.max_tokens or default_max_tokens
     temperature, top_p = _sampling(req)
-    return GenerateArgs(kind="chat", prompt=messages, max_tokens=min(limit, MAX_TOKENS_CAP), temperature=temperature,
+    max_tokens = min(limit, MAX_TOKENS_CAP)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return GenerateArgs(kind="chat", prompt=messages, max_tokens=max_tokens, temperature=temperature,
                         top_p=top_p, seed=req.seed, stop=_stops(req), stream=bool(req.stream),
-                        include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                        logprobs=logprobs, **_common(req, max_tokens))
 
 
 def completion_args(req: CompletionRequest) -> GenerateArgs:
@@ -270,20 +405,42 @@ def completion_args(req: CompletionRequest) -> GenerateArgs:
     if isinstance(prompt, list) and not prompt:
         raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_value")
     temperature, top_p = _sampling(req)
-    return GenerateArgs(kind="completion", prompt=prompt,
-                        max_tokens=min(req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_TOKENS_CAP),
+    max_tokens = min(req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_TOKENS_CAP)
+    return GenerateArgs(kind="completion", prompt=prompt, max_tokens=max_tokens,
                         temperature=temperature, top_p=top_p, seed=req.seed, stop=_stops(req),
                         stream=bool(req.stream),
-                        include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                        logprobs=req.logprobs, **_common(req, max_tokens))
 
 
 # ---------------------------------------------------------------------------------------------- responses
 
 
 def finish_reason(raw: str) -> str:
-    # OpenAI knows stop / length; a generation the server cut short (deadline, cancel) is truncated output,
-    # which clients read from "length". The raw reason stays in the splitserve extras.
-    return raw if raw in ("stop", "length") else "length"
+    # OpenAI knows stop / length; a generation the server cut short (a cancel, a deadline) is "abort", as
+    # vLLM's server says. The raw reason stays in the splitserve extras.
+    return raw if raw in ("stop", "length") else "abort"
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
+    return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": _bytes(t.token),
+                         "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": _bytes(a.token)}
+                                          for a in t.top]} for t in lps],
+            "refusal": None}
+
+
+def completion_logprobs(lps: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    offsets = []
+    for t in lps:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {"tokens": [t.token for t in lps], "token_logprobs": [t.logprob for t in lps],
+            # a dict per token, as OpenAI's legacy shape: alternatives with the same text collapse (as there)
+            "top_logprobs": [{a.token: a.logprob for a in t.top} for t in lps], "text_offset": offsets}
 
 
 def usage(result: Result) -> dict[str, Any]:
@@ -309,6 +466,9 @@ class Responder:
     model: str
     created: int
     include_usage: bool = False
+    logprobs: bool = False  # the request asked for them
+    _lp_sent: int = field(default=0, init=False)  # tokens whose logprobs went out in chunks
+    _text_offset: int = field(default=0, init=False)
 
     @property
     def id(self) -> str:
@@ -323,15 +483,27 @@ class Responder:
             out["usage"] = None  # OpenAI sends usage: null on every chunk but the last when it was asked for
         return out
 
-    def _choice(self, text: str | None, finish: str | None, *, role: bool = False) -> dict[str, Any]:
+    def _lp(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if not self.logprobs or lps is None:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(lps)
+        out = completion_logprobs(lps, self._text_offset)
+        self._text_offset += sum(len(t.token) for t in lps)
+        return out
+
+    def _choice(self, text: str | None, finish: str | None, *, role: bool = False,
+                logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        if logprobs is not None:
+            self._lp_sent += len(logprobs)
         if self.kind == "completion":
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": self._lp(logprobs), "finish_reason": finish}
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "delta": delta, "logprobs": self._lp(logprobs), "finish_reason": finish}
 
     # --- streaming --------------------------------------------------------------------------------
     def first_chunk(self) -> dict[str, Any] | None:
@@ -340,11 +512,14 @@ class Responder:
             return None
         return self._envelope([self._choice("", None, role=True)], chunk=True)
 
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        return self._envelope([self._choice(text, None)], chunk=True)
+    def text_chunk(self, text: str, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        return self._envelope([self._choice(text, None, logprobs=logprobs)], chunk=True)
 
     def finish_chunk(self, result: Result) -> dict[str, Any]:
-        choice = self._choice(None if self.kind == "chat" else "", finish_reason(result.finish_reason))
+        # tokens no text chunk carried (the EOS token, text held back by a stop string) bring their logprobs here
+        rest = (result.logprobs or [])[self._lp_sent:] if self.logprobs else None
+        choice = self._choice(None if self.kind == "chat" else "", finish_reason(result.finish_reason),
+                              logprobs=rest or None)
         out = self._envelope([choice], chunk=True)
         out["splitserve"] = extras(result)
         return out
@@ -360,9 +535,10 @@ class Responder:
         if self.kind == "chat":
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": result.text,
                                                               "refusal": None},
-                                      "logprobs": None, "finish_reason": finish}
+                                      "logprobs": self._lp(result.logprobs or []), "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": result.text, "logprobs": self._lp(result.logprobs or []),
+                      "finish_reason": finish}
         out = self._envelope([choice], chunk=False)
         out["usage"] = usage(result)
         out["splitserve"] = extras(result)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections import deque
 from typing import Any
@@ -40,9 +41,11 @@ from proto import (
 from services.common.engine_thread import EngineThread
 from services.common.kvcache import KvEventPublisher, kv_layout
 from services.common.options import EngineOptions
+from services.common.sampling import engine_sampling, wire_logprob
 from splitserve.cache.store import PrefixKvStore
 from splitserve.engines import LayerHook, PrefillResult, PromptTooLong, Sampling
 from splitserve.kv import BlockPool, make_sender
+from splitserve.kv.transport import usable_transport
 from splitserve.obs import tracing
 from splitserve.runtime.service import Service
 
@@ -93,6 +96,10 @@ class PrefillService(Service):
         # Staging holds one prompt's KV at a time: size it for the longest prompt the model takes.
         tokens = self.staging_tokens or info.max_model_len
         self.pool = BlockPool(self.layout, self.layout.blocks_for_tokens(tokens))
+        transport, why = usable_transport(self.opts.transport)
+        if why is not None:
+            self.log.warning("kv_transport_fallback", transport=transport, reason=why)
+            self.opts = dataclasses.replace(self.opts, transport=transport)
         self.sender = await asyncio.to_thread(make_sender, self.opts.transport, self.pool)
         self.kv_events = KvEventPublisher.for_worker(self.b, self.worker_id, info, self.thread,
                                                      block_size=self.opts.block_size, cache_tokens=self.cache_tokens,
@@ -229,7 +236,7 @@ class PrefillService(Service):
             rsp.set_attribute("kv.reserve_ms", round((time.perf_counter() - t_res) * 1000, 2))
         assert reservation.transfer_id is not None and reservation.descriptor is not None
         tid, desc = reservation.transfer_id, reservation.descriptor
-        sampling = Sampling(temperature=job.sampling.temperature, top_p=job.sampling.top_p, seed=job.sampling.seed)
+        sampling = engine_sampling(job.sampling, len(ids), self.engine.info.eos_token_ids)
         src = self.pool.try_allocate(self.layout.blocks_for_tokens(len(ids)))
         if src is None:
             raise JobFailed(ErrorCode.INTERNAL, "prefill staging buffer exhausted")
@@ -298,7 +305,7 @@ class PrefillService(Service):
                         cached_tokens=len(ids) - res.num_computed_tokens, kv_bytes=nbytes,
                         transport=transport, prefill_ms=prefill_ms, transfer_ms=transfer_ms,
                         started_ms=started_ms),
-            decode=job,
+            decode=job, first_logprob=wire_logprob(self.engine, res.first_logprobs),
         )
         await self.b.publish(Subjects.kv_ready(job.decoder_id), done)
         if self.kv_events is not None:

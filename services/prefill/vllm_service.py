@@ -25,10 +25,11 @@ from proto import (
     now_ms,
 )
 from services.common.options import EngineOptions
+from services.common.sampling import engine_sampling, wire_logprob
 from services.common.vllm_kv import VllmKvBridge
-from services.common.vllm_worker import VllmOptions, vllm_config, vllm_load
+from services.common.vllm_worker import VllmOptions, serve_vllm_metrics, vllm_config, vllm_load
 from services.prefill.service import JobFailed, PrefillService
-from splitserve.engines import PromptTooLong, Sampling
+from splitserve.engines import PromptTooLong
 from splitserve.engines.generate import GenRequest
 from splitserve.obs import tracing
 
@@ -51,6 +52,7 @@ class VllmPrefillService(PrefillService):
         if cfg.kv_connector is None:
             raise ValueError("a vLLM prefill worker needs a KV connector (--kv-connector nixl|lmcache)")
         self.engine = await VllmEngine.start(cfg)  # type: ignore[assignment]
+        serve_vllm_metrics(self.log)
         if cfg.kv_events_endpoint:
             self.bridge = VllmKvBridge(self.b, self.worker_id, cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint,
                                        engine_block_size=self.engine.block_size,  # type: ignore[attr-defined]
@@ -111,9 +113,10 @@ class VllmPrefillService(PrefillService):
         if job.deadline_ms is not None and now_ms() > job.deadline_ms:
             raise JobFailed(ErrorCode.EXPIRED, "the request's deadline passed before prefill started")
         ids = list(job.prompt_token_ids)
-        sampling = Sampling(temperature=job.sampling.temperature, top_p=job.sampling.top_p, seed=job.sampling.seed)
+        sampling = engine_sampling(job.sampling, len(ids), self.engine.info.eos_token_ids)
         req = GenRequest(job.request_id, ids, sampling, 1, (), self.remote_decode_params(job))
         first: int | None = None
+        first_lp = None
         cached = 0
         params: dict[str, Any] | None = None
         with tracing.tracer().start_as_current_span("prefill.compute") as csp:
@@ -122,6 +125,7 @@ class VllmPrefillService(PrefillService):
                 async for out in self.engine.generate(req):  # type: ignore[attr-defined]
                     if out.token_ids and first is None:
                         first = out.token_ids[0]
+                        first_lp = out.logprobs[0] if out.logprobs else None
                     cached = max(cached, out.num_cached_tokens)
                     if out.finished:
                         params = out.kv_transfer_params
@@ -150,7 +154,7 @@ class VllmPrefillService(PrefillService):
             kv=KvHandle(transfer_id=job.request_id, num_tokens=len(ids), cached_tokens=cached, kv_bytes=nbytes,
                         transport=f"vllm-{self.vopts.kv_connector}", prefill_ms=prefill_ms, transfer_ms=0.0,
                         started_ms=started_ms),
-            decode=job, kv_transfer_params=params or {})
+            decode=job, kv_transfer_params=params or {}, first_logprob=wire_logprob(self.engine, first_lp))
         await self.b.publish(Subjects.kv_ready(job.decoder_id), done)
         self.log.info("prefilled", request_id=job.request_id, tokens=len(ids), cached_tokens=cached,
                       prefill_ms=round(prefill_ms, 1), decoder=job.decoder_id, engine="vllm")

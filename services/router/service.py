@@ -309,12 +309,16 @@ class RouterService(Service):
             request_id=rid, tenant=tenant, worker_id=self.worker_id, status=reason,  # type: ignore[arg-type]
             usage=usage))
 
+    def _model_name(self) -> str | None:
+        return self.tokenizer.name if hasattr(self, "tokenizer") else None
+
     # --- requests ------------------------------------------------------------------------------------
     async def on_request(self, req: GenerateRequest, msg: Msg) -> None:
         with tracing.span_from(msg.headers, "router.request", request_id=req.request_id, tenant=req.tenant) as sp, \
                 structlog.contextvars.bound_contextvars(request_id=req.request_id, tenant=req.tenant):
             tracing.set_attrs(sp, route_requested=req.route, max_tokens=req.sampling.max_tokens,
                               priority=req.priority)
+            sp.set_attributes(tracing.gen_ai_of(req, self._model_name()))
             await self._intake(req, msg, sp)
 
     async def _reject(self, req: GenerateRequest, msg: Msg, code: ErrorCode, message: str,
@@ -501,6 +505,7 @@ class RouterService(Service):
             delivered = int(qmsg.metadata.num_delivered)
             wait_ms = max(0.0, now_ms() - q.accepted_ms)
             tracing.set_attrs(sp, queue_wait_ms=round(wait_ms, 2), deliveries=delivered)
+            sp.set_attributes(tracing.gen_ai_of(req, self._model_name()))
             if rid in self.inflight:  # redelivered while we still run it (a missed keep-alive): keep the newest
                 self.inflight[rid].queue_msg = qmsg
                 return

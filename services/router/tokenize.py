@@ -38,4 +38,6 @@ class PromptTokenizer:
                 out = out["input_ids"]
             return [int(t) for t in out]
         assert req.prompt is not None
-        return list(self.tok.encode(req.prompt, add_special_tokens=False))
+        # As vLLM's server: the tokenizer's own special tokens (its BOS when it adds one; SmolLM2's adds none).
+        # Chat prompts get theirs from the chat template instead.
+        return list(self.tok.encode(req.prompt, add_special_tokens=True))

@@ -19,6 +19,7 @@ from splitserve.engines.base import (
     PrefillResult,
     PromptTooLong,
     Sampling,
+    TokenLogprobs,
 )
 
 EngineFactory = Callable[..., Engine]
@@ -70,6 +71,7 @@ __all__ = [
     "PrefillResult",
     "PromptTooLong",
     "Sampling",
+    "TokenLogprobs",
     "engine_names",
     "load_engine",
     "register_engine",

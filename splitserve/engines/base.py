@@ -52,6 +52,11 @@ class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    # None: no log-probabilities; k: the chosen token's and the k most likely (raw log-softmax of the logits)
+    logprobs: int | None = None
+    # min_tokens: these ids (the model's EOS) are masked out of every token at a position below this one
+    suppress_ids: tuple[int, ...] = ()
+    suppress_before: int = 0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
@@ -65,10 +70,20 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled token's log-probability and the most likely alternatives (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     first_token: int  # the token sampled after the prompt (position len(prompt)); not in kv
     kv: Tensor  # [L, 2, H, len(prompt), D], covers the whole prompt including any past_kv prefix
     num_computed_tokens: int  # prompt tokens actually run through the model (the rest came from past_kv)
+    first_logprobs: TokenLogprobs | None = None  # when sampling.logprobs was set
 
 
 class EngineError(Exception):
@@ -233,6 +248,10 @@ class Engine(ABC):
     @abstractmethod
     def active(self) -> int:
         """Number of sequences in the decode batch."""
+
+    def step_logprobs(self) -> dict[str, TokenLogprobs]:
+        """The last step's log-probabilities of the sequences whose sampling asked for them."""
+        return {}
 
     def room_for(self, num_tokens: int) -> int:
         """How many more tokens a sequence holding num_tokens (prompt + output so far) may generate."""

@@ -87,7 +87,9 @@ class StopChecker:
         stop_strings: Iterable[str] = (),
         eos_ids: Iterable[int] = (),
         max_tokens: int | None = None,
+        min_tokens: int = 0,
     ) -> None:
+        self.min_tokens = min_tokens  # neither EOS nor a stop string ends the output before this many tokens
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.eos_ids = frozenset(int(t) for t in eos_ids)
         if max_tokens is not None and max_tokens < 1:
@@ -115,6 +117,10 @@ class StopChecker:
         if self.finish_reason is not None:
             raise RuntimeError(f"sequence already finished ({self.finish_reason})")
         self.num_tokens += 1
+        if self.num_tokens < self.min_tokens:
+            # as vLLM: no stop check at all before min_tokens (the engine masks EOS out of the sampling)
+            buffer, self.pending = self.pending + text, ""
+            return StopUpdate(buffer, None)
         if int(token_id) in self.eos_ids:
             return self._finish("stop", self.pending)
         buffer = self.pending + text

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.engines.base import Engine, ModelInfo, Sampling
+from splitserve.engines.base import Engine, ModelInfo, Sampling, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class GenOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" when finished
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (or pulled from a prefiller)
     kv_transfer_params: dict[str, Any] | None = None  # the prefiller's answer, for the decoder
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the sampling asked for them
 
 
 @dataclass

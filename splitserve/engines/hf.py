@@ -28,6 +28,7 @@ from splitserve.engines.base import (
     ModelInfo,
     PrefillResult,
     Sampling,
+    TokenLogprobs,
     check_join,
     check_kv,
     prompt_ids,
@@ -35,7 +36,7 @@ from splitserve.engines.base import (
 from splitserve.engines.batch import DecodeBatch
 from splitserve.engines.kvcache import PrefillCache
 from splitserve.engines.model_files import resolve_model
-from splitserve.engines.sampling import sample
+from splitserve.engines.sampling import sample_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,6 +91,7 @@ class HfEngine(HfTokenizerMixin, Engine):
         self.device: torch.device = model.device
         self.load_seconds: float | None = None
         self._batch = DecodeBatch(self.info, self.dtype, self.device, min_headroom=kv_headroom, grouped=grouped)
+        self._step_lp: dict[str, TokenLogprobs] = {}
 
     @classmethod
     def load(
@@ -150,8 +152,9 @@ class HfEngine(HfTokenizerMixin, Engine):
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]
-            first = sample(logits, [sampling], [len(ids)])[0]
-        return PrefillResult(first_token=first, kv=out, num_computed_tokens=len(ids) - reused)
+            firsts, lps = sample_logprobs(logits, [sampling], [len(ids)])
+        return PrefillResult(first_token=firsts[0], kv=out, num_computed_tokens=len(ids) - reused,
+                             first_logprobs=lps[0])
 
     # -- decode ---------------------------------------------------------------------------------------------
     def add_sequence(self, seq_id: str, kv: Tensor | KvSource, last_token: int, sampling: Sampling) -> None:
@@ -174,6 +177,7 @@ class HfEngine(HfTokenizerMixin, Engine):
                 raise ContextFull(seq.seq_id, seq.length + 2, self.info.max_model_len)
         with torch.inference_mode():
             inputs = self._batch.prepare()
+            self._step_lp = {}
             if inputs is None:
                 return {}
             with row_groups(inputs.groups):
@@ -184,8 +188,9 @@ class HfEngine(HfTokenizerMixin, Engine):
                     past_key_values=inputs.cache,
                     use_cache=True,
                 ).logits[:, -1]
-            tokens = sample(logits, inputs.samplings, inputs.sample_positions)
+            tokens, lps = sample_logprobs(logits, inputs.samplings, inputs.sample_positions)
         result = dict(zip(inputs.seq_ids, tokens, strict=True))
+        self._step_lp = {sid: lp for sid, lp in zip(inputs.seq_ids, lps, strict=True) if lp is not None}
         self._batch.advance(result)
         return result
 
@@ -194,6 +199,9 @@ class HfEngine(HfTokenizerMixin, Engine):
 
     def active(self) -> int:
         return len(self._batch)
+
+    def step_logprobs(self) -> dict[str, TokenLogprobs]:
+        return self._step_lp
 
     def active_ids(self) -> list[str]:
         return self._batch.seq_ids

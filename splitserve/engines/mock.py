@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -41,6 +42,7 @@ from splitserve.engines.base import (
     ModelInfo,
     PrefillResult,
     Sampling,
+    TokenLogprobs,
     check_join,
     check_kv,
     materialize,
@@ -127,6 +129,7 @@ class _Seq:
     last_token: int  # fed at position `length` by the next step
     key: int  # the sampling key the next tokens derive from
     fed: list[int] = field(default_factory=list)  # tokens steps have fed (positions kv_len, kv_len + 1, ...)
+    sampling: Sampling = field(default_factory=Sampling)
 
     @property
     def length(self) -> int:  # tokens in KV
@@ -171,6 +174,7 @@ class MockEngine(HfTokenizerMixin, Engine):
         self.token_range = ordinary_token_range(tokenizer, eos)
         self.load_seconds: float | None = None
         self._seqs: dict[str, _Seq] = {}
+        self._step_lp: dict[str, TokenLogprobs] = {}
 
     @classmethod
     def load(
@@ -216,6 +220,18 @@ class MockEngine(HfTokenizerMixin, Engine):
             return 0
         return _splitmix64(((sampling.seed or 0) + 1) & _MASK64)
 
+    def logprobs_of(self, token: int, sampling: Sampling) -> TokenLogprobs | None:
+        """Honest log-probabilities of the fake distribution: greedy output is a point mass (log 1 = 0, no
+        alternative has any mass); sampled output is uniform over the ordinary-token range."""
+        n = sampling.logprobs
+        if n is None:
+            return None
+        if sampling.greedy:
+            return TokenLogprobs(token, 0.0, ((token, 0.0),) if n else ())
+        lp = -math.log(len(self.token_range))
+        others = [t for t in range(self.token_range.start, self.token_range.start + n + 1) if t != token]
+        return TokenLogprobs(token, lp, tuple((t, lp) for t in [token, *others][:n]))
+
     def next_token(self, previous: int, position: int, key: int) -> int:
         """The token at `position` after `previous` (the token at position - 1): a pure function."""
         mixed = _splitmix64(_splitmix64(key ^ (previous & _MASK64)) ^ (position & _MASK64))
@@ -243,7 +259,8 @@ class MockEngine(HfTokenizerMixin, Engine):
             for layer in range(self.info.num_layers):
                 on_layer(layer, out[layer, 0], out[layer, 1])
         first = self.next_token(ids[-1], len(ids), self._key(sampling))
-        return PrefillResult(first_token=first, kv=out, num_computed_tokens=computed)
+        return PrefillResult(first_token=first, kv=out, num_computed_tokens=computed,
+                             first_logprobs=self.logprobs_of(first, sampling))
 
     # -- decode ---------------------------------------------------------------------------------------------
     def add_sequence(self, seq_id: str, kv: Tensor | KvSource, last_token: int, sampling: Sampling) -> None:
@@ -254,9 +271,10 @@ class MockEngine(HfTokenizerMixin, Engine):
             raise ValueError(f"sequence {seq_id!r} is already active")
         # a copy: decoders hand in views of landing buffers they reuse as soon as this returns
         own = kv.to(dtype=self.dtype, device="cpu", copy=True)
-        self._seqs[seq_id] = _Seq(own, int(last_token), self._key(sampling))
+        self._seqs[seq_id] = _Seq(own, int(last_token), self._key(sampling), sampling=sampling)
 
     def step(self) -> dict[str, int]:
+        self._step_lp = {}
         if not self._seqs:
             return {}
         for seq_id, seq in self._seqs.items():
@@ -270,7 +288,13 @@ class MockEngine(HfTokenizerMixin, Engine):
             seq.fed.append(seq.last_token)
             seq.last_token = token
             out[seq_id] = token
+            lp = self.logprobs_of(token, seq.sampling)
+            if lp is not None:
+                self._step_lp[seq_id] = lp
         return out
+
+    def step_logprobs(self) -> dict[str, TokenLogprobs]:
+        return self._step_lp
 
     def remove_sequence(self, seq_id: str, *, keep_kv: bool = True) -> Tensor | None:
         seq = self._seqs.pop(seq_id, None)

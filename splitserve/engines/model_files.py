@@ -49,7 +49,8 @@ def bundled_model_path() -> Path:
 
 def resolve_model(model: str | Path | None = None) -> ModelSource:
     """Resolve a --model argument: None/'bundled'/'smollm2' -> the bundled GGUF; a .gguf file; a folder with
-    config.json (HF layout); or a folder holding exactly one .gguf file."""
+    config.json (HF layout); a folder holding exactly one .gguf file; or a hub id ('org/name') already in the
+    local Hugging Face cache (never downloaded here)."""
     if model is None or str(model).strip().lower() in BUNDLED_ALIASES:
         path = bundled_model_path()
         return ModelSource(path.parent, path.name)
@@ -67,4 +68,30 @@ def resolve_model(model: str | Path | None = None) -> ModelSource:
         if ggufs:
             raise ModelNotFound(f"{path} holds several .gguf files ({', '.join(ggufs)}); name one")
         raise ModelNotFound(f"{path} has neither config.json nor a .gguf file")
-    raise ModelNotFound(f"model {str(model)!r} is not a local folder or .gguf file (hub ids are not fetched: offline)")
+    if _looks_like_hub_id(str(model)):
+        return _cached_hub_snapshot(str(model))
+    raise ModelNotFound(f"model {str(model)!r} is not a local folder, a .gguf file or a Hugging Face hub id")
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "~"))
+
+
+def _cached_hub_snapshot(repo_id: str) -> ModelSource:
+    """A hub id resolved from the local Hugging Face cache only (HF_HOME / HF_HUB_CACHE): never downloaded."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        path = Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError) as exc:
+        raise ModelNotFound(
+            f"model {repo_id!r} is not in the local Hugging Face cache (models are loaded offline): fetch it once "
+            f"with `hf download {repo_id}` (or pass a local folder)") from exc
+    if (path / "config.json").is_file():
+        return ModelSource(path)
+    ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource(path, ggufs[0])
+    raise ModelNotFound(f"the cached snapshot of {repo_id!r} ({path}) has neither config.json nor one .gguf file")

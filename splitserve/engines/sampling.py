@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from splitserve.engines.base import Sampling
+from splitserve.engines.base import Sampling, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 _os_random = random.SystemRandom()
@@ -63,8 +63,40 @@ def sample(logits: Tensor, samplings: Sequence[Sampling], positions: Sequence[in
 
     positions[i] is the absolute position the sampled token will occupy in sequence i (= tokens before it).
     """
+    return sample_logprobs(logits, samplings, positions)[0]
+
+
+def sample_logprobs(logits: Tensor, samplings: Sequence[Sampling],
+                    positions: Sequence[int]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """:func:`sample`, plus each row's log-probabilities when its Sampling asks for them.
+
+    Log-probabilities are the raw model distribution (log-softmax of the logits before temperature, top-p and
+    the min_tokens EOS mask), as vLLM reports by default; a greedy row's chosen token is its top entry.
+    """
     if logits.dim() != 2 or logits.shape[0] != len(samplings) or len(samplings) != len(positions):
         raise ValueError("need logits [B, V] with one Sampling and one position per row")
+    raw = logits
+    masked = [i for i, s in enumerate(samplings) if s.suppress_ids and positions[i] < s.suppress_before]
+    if masked:
+        logits = logits.clone()
+        for i in masked:
+            logits[i, list(samplings[i].suppress_ids)] = float("-inf")
+    tokens = _pick(logits, samplings, positions)
+    out: list[TokenLogprobs | None] = [None] * len(samplings)
+    wanted = [i for i, s in enumerate(samplings) if s.logprobs is not None]
+    if wanted:
+        lp = torch.log_softmax(raw[wanted].float(), dim=-1)
+        k = max(samplings[i].logprobs or 0 for i in wanted)
+        top_v, top_i = torch.topk(lp, k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        for row, i in enumerate(wanted):
+            n = samplings[i].logprobs or 0
+            top = tuple((int(t), float(v)) for t, v in zip(top_i[row, :n].tolist(), top_v[row, :n].tolist(),
+                                                              strict=True))
+            out[i] = TokenLogprobs(tokens[i], float(lp[row, tokens[i]]), top)
+    return tokens, out
+
+
+def _pick(logits: Tensor, samplings: Sequence[Sampling], positions: Sequence[int]) -> list[int]:
     tokens = torch.argmax(logits, dim=-1)  # greedy rows, and a placeholder for the others
     rows = [i for i, s in enumerate(samplings) if not s.greedy]
     if rows:

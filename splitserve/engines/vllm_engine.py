@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from splitserve.engines.base import ModelInfo, PromptTooLong
+from splitserve.engines.base import ModelInfo, PromptTooLong, TokenLogprobs
 from splitserve.engines.generate import EngineLoad, GenerateEngine, GenOutput, GenRequest
 from splitserve.engines.vllm_env import prepare
 
@@ -259,8 +259,12 @@ class VllmEngine(GenerateEngine):
 
         s = req.sampling
         extra = {"kv_transfer_params": dict(req.kv_transfer_params)} if req.kv_transfer_params else None
+        # min_tokens as positions past the prompt (a prompt extended by a prefiller's token counts it); vLLM
+        # masks stop_token_ids (our EOS) until then. Clamped: a prefill runs with max_tokens=1.
+        min_tokens = max(0, s.suppress_before - len(req.prompt_token_ids)) if s.suppress_ids else 0
         return SamplingParams(
             n=1, max_tokens=req.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+            min_tokens=min(min_tokens, req.max_tokens), logprobs=s.logprobs,
             stop_token_ids=list(req.stop_token_ids), ignore_eos=True,  # EOS handled through stop_token_ids
             skip_special_tokens=False, detokenize=False, output_kind=RequestOutputKind.DELTA,
             extra_args=extra)
@@ -280,7 +284,8 @@ class VllmEngine(GenerateEngine):
                     finished=finished,
                     finish_reason=(comp.finish_reason if comp is not None else None) if finished else None,
                     num_cached_tokens=int(out.num_cached_tokens or 0),
-                    kv_transfer_params=out.kv_transfer_params)
+                    kv_transfer_params=out.kv_transfer_params,
+                    logprobs=_logprobs(comp, req.sampling.logprobs) if comp is not None else None)
         finally:
             if not finished:  # the caller stopped early (stop string, cancel, deadline): free vLLM's slot
                 with contextlib.suppress(Exception):
@@ -303,3 +308,15 @@ class VllmEngine(GenerateEngine):
 
     async def close(self) -> None:
         await asyncio.to_thread(self.llm.shutdown)
+
+
+def _logprobs(comp: Any, n: int | None) -> list[TokenLogprobs] | None:
+    """vLLM's per-token {token id: Logprob(logprob, rank)} (the chosen token always included) in our terms."""
+    if n is None or comp.logprobs is None:
+        return None
+    out: list[TokenLogprobs] = []
+    for tok, entries in zip(comp.token_ids, comp.logprobs, strict=False):
+        items = sorted(entries.items(), key=lambda kv: kv[1].rank or 0)
+        top = tuple((int(t), float(lp.logprob)) for t, lp in items if lp.rank is not None and lp.rank <= n)[:n]
+        out.append(TokenLogprobs(int(tok), float(entries[tok].logprob), top))
+    return out

@@ -129,6 +129,9 @@ def prepare() -> None:
 def plugin() -> None:
     """``vllm.general_plugins`` entry point: runs in every vLLM process (engine core, model workers)."""
     try:
+        from splitserve.obs.log import inherit_logging
+
+        inherit_logging()
         patch_version_lookup()
         alias_nixl()
         patch_nixl_progress_delay()

@@ -5,6 +5,17 @@ bytes) and every worker heartbeats its load. :class:`ClusterMetrics` turns those
 TTFT, ITL and end-to-end histograms by tenant and route, queue wait, KV transfer bytes and seconds, token
 counters (prompt / completion / cached: the prefix-cache hit rate), errors by kind, worker load and queue
 depth — and into the snapshot ``splitserve top`` draws. No NATS here: the owner feeds it.
+
+Two families of names. ``splitserve:*`` follows vLLM's own metric names and labels (``vllm:`` prefix there,
+``model_name`` label), so a vLLM dashboard works by swapping the prefix: time_to_first_token_seconds,
+inter_token_latency_seconds, request_time_per_output_token_seconds, e2e_request_latency_seconds,
+request_queue_time_seconds, request_prefill_time_seconds, prompt_tokens_total, generation_tokens_total,
+request_prompt_tokens / request_generation_tokens (length histograms), request_success_total{finished_reason},
+prefix_cache_queries_total / prefix_cache_hits_total (tokens, counters), num_requests_running / _waiting.
+The older ``splitserve_*`` series (by tenant and route) stay for existing dashboards.
+
+Every front door subscribes to every request's end, so each exposes the same cluster-wide series: scrape
+one front door (or aggregate with ``max by``, not ``sum``), never add several up.
 """
 
 from __future__ import annotations
@@ -18,6 +29,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from proto import Heartbeat, RequestFinished
 
+# vLLM's buckets, so histogram_quantile over a mixed fleet lines up.
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0)
+VLLM_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                        240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+UNKNOWN_MODEL = "unknown"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -71,14 +91,90 @@ class ClusterMetrics:
                                  registry=r)
         self.hit_ratio = Gauge("splitserve_prefix_cache_hit_ratio", "cached / prompt tokens, all requests",
                                registry=r)
+        self._vllm_style(r)
         self._prompt = 0
         self._cached = 0
         self.workers: dict[str, tuple[Heartbeat, float]] = {}
+        self._any_model: str | None = None
         self._recent: deque[_Done] = deque()
+
+    def _vllm_style(self, r: CollectorRegistry) -> None:
+        m = ["model_name"]
+        p = "splitserve:"
+        self.v_ttft = Histogram(f"{p}time_to_first_token_seconds", "Time to first token (server side)", m,
+                                buckets=VLLM_TTFT_BUCKETS, registry=r)
+        self.v_itl = Histogram(f"{p}inter_token_latency_seconds", "Gap between consecutive output tokens", m,
+                               buckets=VLLM_ITL_BUCKETS, registry=r)
+        self.v_tpot = Histogram(f"{p}request_time_per_output_token_seconds",
+                                "Per request: (e2e - TTFT) / (output tokens - 1)", m, buckets=VLLM_ITL_BUCKETS,
+                                registry=r)
+        self.v_e2e = Histogram(f"{p}e2e_request_latency_seconds", "Request created -> finished", m,
+                               buckets=VLLM_REQUEST_BUCKETS, registry=r)
+        self.v_queue = Histogram(f"{p}request_queue_time_seconds", "Request created -> routed to a worker", m,
+                                 buckets=VLLM_REQUEST_BUCKETS, registry=r)
+        self.v_prefill = Histogram(f"{p}request_prefill_time_seconds", "Prefill compute time", m,
+                                   buckets=VLLM_REQUEST_BUCKETS, registry=r)
+        self.v_prompt = Counter(f"{p}prompt_tokens", "Prompt tokens of finished requests", m, registry=r)
+        self.v_gen = Counter(f"{p}generation_tokens", "Generated tokens of finished requests", m, registry=r)
+        self.v_prompt_len = Histogram(f"{p}request_prompt_tokens", "Prompt length per request", m,
+                                      buckets=TOKEN_BUCKETS, registry=r)
+        self.v_gen_len = Histogram(f"{p}request_generation_tokens", "Output length per request", m,
+                                   buckets=TOKEN_BUCKETS, registry=r)
+        self.v_success = Counter(f"{p}request_success", "Finished requests by finish reason",
+                                 [*m, "finished_reason"], registry=r)
+        self.v_failed = Counter(f"{p}request_failure", "Requests that ended in an error", [*m, "error_code"],
+                                registry=r)
+        self.v_cache_q = Counter(f"{p}prefix_cache_queries", "Prompt tokens looked up in the prefix cache", m,
+                                 registry=r)
+        self.v_cache_h = Counter(f"{p}prefix_cache_hits", "Prompt tokens served from the prefix cache", m,
+                                 registry=r)
+        self.v_running = Gauge(f"{p}num_requests_running", "Sequences the decoders are running", m, registry=r)
+        self.v_waiting = Gauge(f"{p}num_requests_waiting", "Requests queued at workers", m, registry=r)
+        self.v_kv_bytes = Counter(f"{p}kv_transfer_bytes", "KV bytes moved prefiller -> decoder", m, registry=r)
+
+    def _model(self, worker_id: str) -> str:
+        seen = self.workers.get(worker_id)
+        return (seen[0].model if seen is not None else None) or self._any_model or UNKNOWN_MODEL
+
+    def _on_finished_vllm_style(self, ev: RequestFinished) -> None:
+        model = self._model(ev.worker_id)
+        if ev.status == "error":
+            self.v_failed.labels(model, ev.error_code.value if ev.error_code else "unknown").inc()
+        else:
+            # vLLM's finished_reason values: stop / length / abort
+            self.v_success.labels(model, "abort" if ev.status in ("cancelled", "expired") else
+                                  (ev.finish_reason or "stop")).inc()
+        if ev.usage is not None:
+            u = ev.usage
+            self.v_prompt.labels(model).inc(u.prompt_tokens)
+            self.v_gen.labels(model).inc(u.completion_tokens)
+            self.v_prompt_len.labels(model).observe(u.prompt_tokens)
+            self.v_gen_len.labels(model).observe(u.completion_tokens)
+            self.v_cache_q.labels(model).inc(u.prompt_tokens)
+            self.v_cache_h.labels(model).inc(u.cached_tokens)
+        t = ev.timings
+        if t is not None:
+            if t.ttft_server_ms is not None:
+                self.v_ttft.labels(model).observe(t.ttft_server_ms / 1000)
+            if t.total_ms is not None:
+                self.v_e2e.labels(model).observe(t.total_ms / 1000)
+            if t.queue_ms is not None:
+                self.v_queue.labels(model).observe(max(0.0, t.queue_ms) / 1000)
+            if t.prefill_ms is not None:
+                self.v_prefill.labels(model).observe(t.prefill_ms / 1000)
+            n = ev.usage.completion_tokens if ev.usage is not None else 0
+            if t.total_ms is not None and t.ttft_server_ms is not None and n > 1:
+                self.v_tpot.labels(model).observe(max(0.0, t.total_ms - t.ttft_server_ms) / 1000 / (n - 1))
+        itl = self.v_itl.labels(model)
+        for g in ev.itl_ms:
+            itl.observe(g / 1000)
+        if ev.kv_bytes:
+            self.v_kv_bytes.labels(model).inc(ev.kv_bytes)
 
     # --- feeding ------------------------------------------------------------------------------------------
     def on_finished(self, ev: RequestFinished, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
+        self._on_finished_vllm_style(ev)
         route = ev.route.value if ev.route is not None else "none"
         self.requests.labels(ev.tenant, route, ev.status).inc()
         if ev.error_code is not None:
@@ -115,6 +211,8 @@ class ClusterMetrics:
     def on_heartbeat(self, hb: Heartbeat, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         self.workers[hb.worker_id] = (hb, now)
+        if hb.model and hb.role == "decode":
+            self._any_model = hb.model
         w, role, load = hb.worker_id, hb.role, hb.load
         self.up.labels(w, role).set(1 if hb.state == "ready" else 0)
         self.active.labels(w, role).set(load.active_seqs)
@@ -127,6 +225,8 @@ class ClusterMetrics:
 
     def _refresh(self, now: float) -> None:
         depth: dict[str, int] = {}
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
         for wid, (hb, seen) in list(self.workers.items()):
             if now - seen > self.stale_s or hb.state == "stopped":
                 self.up.labels(wid, hb.role).set(0)
@@ -134,6 +234,14 @@ class ClusterMetrics:
                     del self.workers[wid]
                 continue
             depth[hb.role] = depth.get(hb.role, 0) + hb.load.queued_requests
+            if hb.role in ("decode", "prefill"):
+                model = hb.model or self._any_model or UNKNOWN_MODEL
+                waiting[model] = waiting.get(model, 0) + hb.load.queued_requests
+                if hb.role == "decode":
+                    running[model] = running.get(model, 0) + hb.load.active_seqs
+        for model in running.keys() | waiting.keys():
+            self.v_running.labels(model).set(running.get(model, 0))
+            self.v_waiting.labels(model).set(waiting.get(model, 0))
         for role, n in depth.items():
             self.queue_depth.labels(role).set(n)
 

@@ -13,8 +13,12 @@ nothing propagates). Exporters, chosen by environment:
   ``ss.trace.spans.{service}``; the JetStream stream ``SS_TRACES`` (bounded by age and bytes) keeps them
   so ``splitserve trace REQUEST_ID`` can draw a waterfall without any extra infrastructure.
 
-``SPLITSERVE_TRACING=off`` disables tracing; ``SPLITSERVE_TRACE_SAMPLE`` (0..1, default 1) sets the ratio
-of new traces sampled (a continued trace follows its parent's decision).
+``SPLITSERVE_TRACING=off`` (or the standard ``OTEL_SDK_DISABLED=true``) disables tracing;
+``SPLITSERVE_TRACE_SAMPLE`` (0..1, default 1) sets the ratio of new traces sampled (a continued trace follows
+its parent's decision); the standard ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG``, when set, win.
+
+Spans of a request carry the OpenTelemetry GenAI semantic conventions (``gen_ai.*``, :func:`gen_ai_request`
+and :func:`gen_ai_response`) beside splitserve's own attributes, so GenAI-aware backends read them.
 """
 
 from __future__ import annotations
@@ -96,7 +100,59 @@ def _clean(attrs: Mapping[str, Any]) -> dict[str, Any]:
 
 # --- setup -------------------------------------------------------------------------------------------
 def tracing_enabled() -> bool:
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
     return os.environ.get("SPLITSERVE_TRACING", "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+def _sampler() -> Any:
+    """OTEL_TRACES_SAMPLER (+ _ARG) when set (the SDK's own parsing), else parent-based ratio sampling."""
+    if os.environ.get("OTEL_TRACES_SAMPLER", "").strip():
+        from opentelemetry.sdk.trace import sampling
+
+        return sampling._get_from_env_or_default()
+    return ParentBased(TraceIdRatioBased(_sample_ratio()))
+
+
+# --- OpenTelemetry GenAI semantic conventions ----------------------------------------------------------
+GEN_AI_PROVIDER = "splitserve"
+
+
+def gen_ai_request(*, chat: bool, model: str | None, max_tokens: int | None = None,
+                   temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+                   stop: Sequence[str] | None = None, request_id: str | None = None) -> dict[str, Any]:
+    """The request half of the GenAI conventions (``gen_ai.system`` is the older name of the provider)."""
+    out: dict[str, Any] = {
+        "gen_ai.operation.name": "chat" if chat else "text_completion",
+        "gen_ai.provider.name": GEN_AI_PROVIDER, "gen_ai.system": GEN_AI_PROVIDER,
+        "gen_ai.request.model": model, "gen_ai.request.max_tokens": max_tokens,
+        "gen_ai.request.temperature": temperature, "gen_ai.request.top_p": top_p, "gen_ai.request.seed": seed,
+        "gen_ai.request.stop_sequences": list(stop) if stop else None,
+        "gen_ai.request.id": request_id,
+    }
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def gen_ai_of(req: Any, model: str | None = None) -> dict[str, Any]:
+    """:func:`gen_ai_request` of a ``proto.GenerateRequest`` (its requested model, else ``model``)."""
+    sp = req.sampling
+    return gen_ai_request(chat=req.messages is not None, model=getattr(req, "model", None) or model,
+                          max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed,
+                          stop=sp.stop, request_id=req.request_id)
+
+
+def gen_ai_response(span: Span, *, response_id: str | None = None, model: str | None = None,
+                    finish_reason: str | None = None, input_tokens: int | None = None,
+                    output_tokens: int | None = None, cached_tokens: int | None = None) -> None:
+    attrs: dict[str, Any] = {
+        "gen_ai.response.id": response_id, "gen_ai.response.model": model,
+        "gen_ai.response.finish_reasons": [finish_reason] if finish_reason else None,
+        "gen_ai.usage.input_tokens": input_tokens, "gen_ai.usage.output_tokens": output_tokens,
+        "gen_ai.usage.cache_read.input_tokens": cached_tokens,
+    }
+    for k, v in attrs.items():
+        if v is not None:
+            span.set_attribute(k, v)
 
 
 def _sample_ratio() -> float:
@@ -114,7 +170,11 @@ def _otlp_exporter() -> SpanExporter | None:
                 or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip().lower()
     # Both exporters read endpoint, headers, timeout and TLS settings from the standard OTEL_* variables.
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+        except ImportError:
+            raise RuntimeError("OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs the gRPC exporter: "
+                               "pip install 'splitserve[otlp-grpc]' (or use http/protobuf)") from None
 
         return GrpcExporter()
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
@@ -150,7 +210,7 @@ def setup_tracing(service_name: str, worker_id: str, bus_or_nc: Any = None) -> T
                 asyncio.get_running_loop().create_task(ensure_trace_stream(nc))
         provider = TracerProvider(
             resource=Resource.create({"service.name": service_name, "service.instance.id": worker_id}),
-            sampler=ParentBased(TraceIdRatioBased(_sample_ratio())),
+            sampler=_sampler(),
         )
         # Small batches flushed often: a debugger wants a request's spans within a second, and the
         # export runs on the processor's own thread, off the service's event loop.

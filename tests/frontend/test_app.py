@@ -196,7 +196,7 @@ def test_api_key_files(tmp_path: Path) -> None:
 async def test_models_health_readiness(http: httpx2.AsyncClient, backend: FakeBackend) -> None:
     r = await http.get("/v1/models")
     assert r.json() == {"object": "list", "data": [{"id": MODEL, "object": "model", "created": r.json()["data"][0][
-        "created"], "owned_by": "splitserve"}]}
+        "created"], "owned_by": "splitserve", "root": MODEL, "parent": None, "max_model_len": 8192}]}
     assert (await http.get(f"/v1/models/{MODEL}")).status_code == 200
     assert (await http.get("/v1/models/other")).status_code == 404
     assert (await http.get("/healthz")).json() == {"status": "ok"}

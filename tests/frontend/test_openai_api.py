@@ -38,11 +38,13 @@ def test_chat_defaults_follow_openai() -> None:
 
 def test_chat_sampling_fields_are_carried() -> None:
     a = oa.chat_args(chat(temperature=0, top_p=0.5, seed=7, stop="\n", max_tokens=5, stream=True,
-                          stream_options={"include_usage": True}, user="u-1", frequency_penalty=0.2,
+                          stream_options={"include_usage": True}, user="u-1", frequency_penalty=0.0,
                           some_future_field={"x": 1}), default_max_tokens=100)
     assert (a.temperature, a.top_p, a.seed, a.stop, a.max_tokens) == (0.0, 0.5, 7, ["\n"], 5)
     assert a.stream and a.include_usage
-    assert a.client_kwargs() == {"max_tokens": 5, "temperature": 0.0, "top_p": 0.5, "seed": 7, "stop": ["\n"]}
+    # user is the session key; a neutral frequency_penalty and an unknown field change nothing
+    assert a.client_kwargs() == {"max_tokens": 5, "temperature": 0.0, "top_p": 0.5, "seed": 7, "stop": ["\n"],
+                                 "session_id": "u-1"}
 
 
 def test_max_completion_tokens_wins_over_max_tokens() -> None:
@@ -208,7 +210,7 @@ def test_completion_chunks_have_no_role_chunk_and_no_usage_key_unless_asked() ->
     assert c["object"] == "text_completion" and c["choices"][0]["text"] == "x" and "usage" not in c
 
 
-@pytest.mark.parametrize(("raw", "mapped"), [("stop", "stop"), ("length", "length"), ("expired", "length"),
-                                             ("cancelled", "length")])
+@pytest.mark.parametrize(("raw", "mapped"), [("stop", "stop"), ("length", "length"), ("expired", "abort"),
+                                             ("cancelled", "abort")])
 def test_finish_reasons(raw: str, mapped: str) -> None:
     assert oa.finish_reason(raw) == mapped

@@ -37,6 +37,29 @@ def _load(name: str, index: int) -> Any:
     return getattr(importlib.import_module(spec[0]), spec[index])
 
 
+def nixl_missing() -> str | None:
+    """None when NIXL imports here, else why not (``nixl-cu12`` is the ``nixl`` extra, not a requirement)."""
+    import importlib.util
+
+    if importlib.util.find_spec("nixl_cu12") is None:
+        return "the nixl-cu12 package is not installed (pip install 'splitserve[nixl]')"
+    try:
+        importlib.import_module("nixl_cu12")
+    except Exception as exc:  # a broken build raises more than ImportError
+        return f"nixl_cu12 does not import: {type(exc).__name__}: {exc}"
+    return None
+
+
+def usable_transport(name: str) -> tuple[str, str | None]:
+    """The transport to use for ``name``: "nixl" falls back to "tcp" when NIXL cannot load here; the second
+    value says why (for a log line), None when nothing changed."""
+    if name == "nixl":
+        why = nixl_missing()
+        if why is not None:
+            return "tcp", f"NIXL unavailable ({why}): using --transport tcp"
+    return name, None
+
+
 def make_receiver(name: str, pool: BlockPool, **opts: Any) -> KvReceiver:
     """Decoder side. tcp opts: host, port, advertise_host.
     nixl opts: backends, progress_delay_us, agent_name."""
@@ -53,6 +76,8 @@ def make_sender(name: str, pool: BlockPool, **opts: Any) -> KvSender:
 
 __all__ = [
     "TRANSPORTS",
+    "nixl_missing",
+    "usable_transport",
     "BadDescriptor",
     "KvReceiver",
     "KvSender",

@@ -52,6 +52,9 @@ from splitserve.kv.transport.base import (
     TargetDescriptor,
     TransferStats,
 )
+from splitserve.obs.log import adopt_loggers
+
+adopt_loggers("nixl")  # NIXL installs its own plain-text handler on import: its lines go out as JSON instead
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +130,7 @@ class ProcessAgent:
             weakref.WeakKeyDictionary()
         )
 
-    # ---------------------------------------------------------------------------------------- memory
+# ---------------------------------------------------------------------------------------- memory
 
     def register(self, pool: BlockPool) -> None:
         with self._lock:
