@@ -60,6 +60,7 @@ from splitserve.cache.index import PrefixIndex
 from splitserve.obs import tracing
 from splitserve.routing import ContextPools, DisaggPolicy, NoWorkers, Router, RoutingRequest, WorkerView
 from splitserve.runtime.bus import PayloadTooLarge
+from splitserve.runtime.jetstream import ensure_stream, replicas_for
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
 from splitserve.tenancy import TenantsConfig, load_tenants
@@ -162,10 +163,7 @@ class RouterService(Service):
         cfg = StreamConfig(name=Subjects.RESULTS_STREAM, subjects=[Subjects.RESULTS_ALL],
                            max_age=self.results_ttl_s, max_bytes=1 << 30, discard=DiscardPolicy.OLD,
                            allow_direct=True)
-        try:
-            await js.add_stream(cfg)
-        except Exception:
-            await js.update_stream(cfg)
+        await ensure_stream(js, cfg, replicas_for(self.b.nc))  # R3 on a cluster
 
         self.wq = WorkQueue(self.b, ack_wait_s=self.queue_ack_wait_s)
         await self.wq.setup()  # also the usage stream, which --no-queue keeps too

@@ -73,6 +73,7 @@ class Bus:
         # out the timeout for a reply that cannot come).
         self._pending: dict[str, set[asyncio.Future[None]]] = {}
         self.denied: list[PermissionDenied] = []  # the latest refusals, for callers and tests
+        self._reconnect_waiters: set[asyncio.Future[None]] = set()
 
     @classmethod
     async def connect(
@@ -113,16 +114,23 @@ class Bus:
 
         async def on_reconnect() -> None:
             reconnects[0] += 1
-            log.info("nats_reconnected")
+            url = nc.connected_url
+            log.info("nats_reconnected", server=url.netloc if url else None)
+            if holder:
+                holder[0]._on_reconnect()
 
         nc = NATS()
+        from splitserve.discovery import server_list
+
         opts: dict[str, Any] = {}
         if nkey_seed:
             opts["nkeys_seed"] = nkey_seed
         if inbox_prefix:
             opts["inbox_prefix"] = inbox_prefix
         connecting = nc.connect(
-            url,
+            # Every server of a cluster (comma-separated URL): the connection fails over between them, and
+            # learns the others from the server's INFO (connect_urls) too.
+            server_list(url),
             name=name,
             user=user,
             password=password,
@@ -131,6 +139,10 @@ class Bus:
             allow_reconnect=reconnect,
             max_reconnect_attempts=-1 if reconnect else 0,
             reconnect_time_wait=0.5,  # type: ignore[arg-type]
+            # A dead node is noticed from the socket at once (SIGKILL closes it); a node that hangs is found by
+            # pings: 3 missed at 5 s = 15 s. Reconnects hit the other nodes first (the pool is shuffled).
+            ping_interval=5,
+            max_outstanding_pings=3,
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
@@ -174,6 +186,19 @@ class Bus:
                     if not fut.done():
                         fut.set_exception(denied)
         self.denied = [*self.denied[-15:], denied]
+
+    def _on_reconnect(self) -> None:
+        for fut in self._reconnect_waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._reconnect_waiters.clear()
+
+    def next_reconnect(self) -> asyncio.Future[None]:
+        """A future that completes when the connection is next re-established (to this server or, in a
+        cluster, another one): what was in flight on the old connection may be lost, re-send it."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._reconnect_waiters.add(fut)
+        return fut
 
     @property
     def reconnects(self) -> int:
