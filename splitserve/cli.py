@@ -27,7 +27,8 @@ def _main() -> None:
     configure_client_logging()
 
 
-NatsUrlOpt = typer.Option(None, "--nats-url", help="NATS server, or a cluster's servers comma-separated (default: the stack started on this machine)")
+NatsUrlOpt = typer.Option(None, "--nats-url", help="NATS server, or a cluster's servers comma-separated "
+                          "(default: the stack started on this machine)")
 # A tenant's NATS credentials (a stack started with --tenants requires them). Without --tenant the tenant is
 # the user name.
 UserOpt = typer.Option(None, "--user", envvar="SPLITSERVE_NATS_USER", help="NATS user (the tenant's name)")
@@ -103,7 +104,8 @@ def up(
 
     cfg = StackConfig(prefill=prefill, decode=decode, engine=engine, model=model, dtype=dtype,
                       disagg_threshold=disagg_threshold, strategy=strategy, transport=transport, nats_url=nats_url,
-                      nats_port=nats_port, nats_cluster=nats_cluster, state_dir=state_dir or discovery.home() / "stack", threads=threads,
+                      nats_port=nats_port, nats_cluster=nats_cluster,
+                      state_dir=state_dir or discovery.home() / "stack", threads=threads,
                       cache_tokens=cache_tokens, l1_tokens=l1_tokens, prefill_cpus=prefill_cpus,
                       decode_cpus=decode_cpus, colocated=colocated, max_stall_ms=max_stall_ms,
                       long_decode=long_decode, long_decode_cpus=long_decode_cpus,
@@ -324,8 +326,8 @@ async def _operator_nc(nats_url: str | None) -> Any:
     url = discovery.resolve_nats_url(nats_url)
     try:
         user, password = _operator_creds(url)
-        return await nats_client.connect(discovery.server_list(url), connect_timeout=3, max_reconnect_attempts=0, user=user,
-                                         password=password)
+        return await nats_client.connect(discovery.server_list(url), connect_timeout=3, max_reconnect_attempts=0,
+                                         user=user, password=password)
     except Exception as exc:
         raise errors.Unavailable(f"cannot connect to NATS at {url}: {exc}") from None
 

@@ -24,8 +24,8 @@ from proto import Heartbeat, Subjects
 from splitserve import discovery
 from splitserve.cpus import parse_cpus
 from splitserve.natsserver import NatsCluster, NatsServer, child_preexec, free_port, start_nats, start_nats_cluster
-from splitserve.runtime.jetstream import CLUSTER_REPLICAS, ENV_REPLICAS
 from splitserve.runtime.bus import Bus
+from splitserve.runtime.jetstream import CLUSTER_REPLICAS, ENV_REPLICAS
 from splitserve.tenancy import natsauth
 from splitserve.tenancy.config import load_tenants
 from splitserve.tenancy.natsauth import StackAuth

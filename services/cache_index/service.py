@@ -26,8 +26,8 @@ from proto import CacheQuery, CacheQueryReply, Heartbeat, KvEventBatch, Subjects
 from services.common.resync import resync_index
 from splitserve.cache import events as cache_events
 from splitserve.cache.index import PrefixIndex
-from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.jetstream import ensure_replicas, ensure_stream, replicas_for
+from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
 
 STREAM = "SS_KV_EVENTS"
