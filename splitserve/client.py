@@ -250,11 +250,22 @@ class Generation:
         try:
             await c._send(req)
             return None
-        except errors.BadRequest:
-            stored = await c._stored_terminal(req.tenant, req.request_id)
-            if stored is None:
+        except (errors.Unavailable, errors.Timeout):
+            return None  # accepted before, so durably queued: it runs, and its end will come (or be stored)
+        except errors.SplitserveError as exc:
+            if exc.retryable:
+                return None  # e.g. the queue's stream electing a leader: as above
+            if not isinstance(exc, errors.BadRequest) or "already ended" not in str(exc):
                 raise
-            return stored
+            # Its end is stored once JetStream confirms it (a publisher whose node died retries until then).
+            deadline = time.monotonic() + c.idle_timeout
+            while True:
+                stored = await c._stored_terminal(req.tenant, req.request_id)
+                if stored is not None:
+                    return stored
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.25)
 
     async def cancel(self, reason: str = "cancelled by the client") -> None:
         """Stop this request wherever it is; its stream then ends with finish_reason "cancelled"."""

@@ -67,7 +67,7 @@ def cluster_block(cluster_port: int, route_ports: list[int], *, name: str = CLUS
 
 def write_config(path: Path, *, port: int, store_dir: Path, max_payload: int = DEFAULT_MAX_PAYLOAD,
                  host: str = "127.0.0.1", extra: str = "", server_name: str | None = None,
-                 cluster: str = "") -> Path:
+                 cluster: str = "", monitor_port: int | None = None) -> Path:
     mb = max_payload // (1024 * 1024)
     # Owner-only from the start: with a tenants file the config holds every user's password.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -80,7 +80,8 @@ def write_config(path: Path, *, port: int, store_dir: Path, max_payload: int = D
             f"max_pending: {max(64, 4 * mb)}MB\n"
             f'jetstream {{\n  store_dir: "{store_dir}"\n  max_memory_store: 256MB\n  max_file_store: 4GB\n}}\n'
             f"{cluster}"
-            f"{extra}\n"
+            + (f'http: "{host}:{monitor_port}"\n' if monitor_port else "")
+            + f"{extra}\n"
         )
     return path
 
@@ -91,6 +92,17 @@ class NatsServer:
     url: str
     port: int
     config: Path
+    monitor_port: int | None = None  # nats-server's HTTP monitoring (/healthz, /connz, /jsz), if enabled
+
+    def connections(self) -> list[dict[str, object]]:
+        """The client connections this server holds now (its /connz), e.g. to find which node a service is on."""
+        import json
+        import urllib.request
+
+        if not self.monitor_port:
+            raise RuntimeError("this nats-server has no monitoring port")
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor_port}/connz?limit=1024", timeout=2) as r:
+            return list(json.load(r).get("connections") or [])
 
     def restart(self) -> None:
         """Start it again with the same config (same port, same JetStream store) after a stop."""
@@ -146,6 +158,19 @@ class NatsCluster:
         """Every node's client URL, comma-separated: what ``--nats-url`` / ``SPLITSERVE_NATS_URL`` take."""
         return ",".join(self.urls)
 
+    def node_of(self, connection_name: str) -> int | None:
+        """The index of the live node a client connection of this name (e.g. ``router:router-0``) is on."""
+        for i, n in enumerate(self.nodes):
+            if n.proc.poll() is not None:
+                continue
+            try:
+                conns = n.connections()
+            except OSError:
+                continue
+            if any(c.get("name") == connection_name for c in conns):
+                return i
+        return None
+
     def kill(self, i: int) -> None:
         """SIGKILL node ``i`` (no goodbye to its clients or to the cluster)."""
         p = self.nodes[i].proc
@@ -172,6 +197,8 @@ def start_nats_cluster(state_dir: Path, nodes: int = 3, *, ports: list[int] | No
     any of them. ``ports``: client ports to use (free ones by default); ``user``/``password``: an account
     that may call the JetStream API, where ``extra_config`` requires authentication."""
     state_dir.mkdir(parents=True, exist_ok=True)
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
     client_ports: list[int] = []
     for i in range(nodes):
         want = ports[i] if ports and i < len(ports) else None
@@ -180,10 +207,12 @@ def start_nats_cluster(state_dir: Path, nodes: int = 3, *, ports: list[int] | No
             p = free_port()
         client_ports.append(p)
     route_ports: list[int] = []
-    while len(route_ports) < nodes:
-        p = free_port()
-        if p not in client_ports and p not in route_ports:
-            route_ports.append(p)
+    monitor_ports: list[int] = []
+    for taken in (route_ports, monitor_ports):
+        while len(taken) < nodes:
+            p = free_port()
+            if p not in client_ports and p not in route_ports and p not in monitor_ports:
+                taken.append(p)
     names = [f"n{i}" for i in range(nodes)]
     servers: list[NatsServer] = []
     try:
@@ -192,12 +221,13 @@ def start_nats_cluster(state_dir: Path, nodes: int = 3, *, ports: list[int] | No
             d.mkdir(parents=True, exist_ok=True)
             conf = write_config(d / "nats.conf", port=client_ports[i], store_dir=d / "jetstream",
                                 max_payload=max_payload, extra=extra_config, server_name=name,
-                                cluster=cluster_block(route_ports[i], route_ports))
+                                cluster=cluster_block(route_ports[i], route_ports),
+                                monitor_port=monitor_ports[i])
             out = open(log_dir / f"nats-{name}.log", "ab") if log_dir else subprocess.DEVNULL  # noqa: SIM115
             proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=out,
                                     stderr=subprocess.STDOUT, preexec_fn=child_preexec)
             servers.append(NatsServer(proc=proc, url=f"nats://127.0.0.1:{client_ports[i]}",
-                                      port=client_ports[i], config=conf))
+                                      port=client_ports[i], config=conf, monitor_port=monitor_ports[i]))
         deadline = time.monotonic() + timeout
         for s in servers:
             _wait_listening(s, deadline)

@@ -1,0 +1,124 @@
+"""A 3-node NATS JetStream cluster on loopback (real nats-servers), a router, a cache index and mock decoders
+(the control plane under load; the engine is not the subject): one node is SIGKILLed under steady streaming and
+async load, and
+
+- no accepted request is lost, no result is lost, none runs twice (terminal messages counted on the wire by
+  ``Nats-Msg-Id``, and ``RequestFinished`` records in ``SS_USAGE``);
+- every stream (queue, usage, results, traces, KV events, the index's object store) is R3 and still has a
+  leader with one node gone;
+- both when the killed node is another one and when it is the node the router and the clients are on.
+
+The figures (accepted, completed, stall) are printed; ``bench/natscluster.py`` measures latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import nats
+import pytest
+
+import proto
+from splitserve.discovery import server_list
+from splitserve.natsserver import NatsCluster, start_nats_cluster
+from splitserve.tenancy import natsauth
+from splitserve.tenancy.config import load_tenants
+from tests.clusterload import run_load
+from tests.procs import spawn_service, stop, wait_ready
+
+STREAMS = [proto.Subjects.QUEUE_STREAM, proto.Subjects.USAGE_STREAM, proto.Subjects.RESULTS_STREAM,
+           "SS_KV_EVENTS", "SS_TRACES", "OBJ_ss-cache-index"]
+
+
+def _spawn_stack(url: str, logs: Path) -> list:  # type: ignore[type-arg]
+    env = dict(os.environ, SPLITSERVE_MOCK_STEP_MS="4")
+    return [
+        spawn_service("services.router", "--disagg-threshold", "1000000000", "--queue-ack-wait-s", "5",
+                      nats_url=url, worker_id="router-c", log_dir=logs, env=env),
+        spawn_service("services.cache_index", nats_url=url, worker_id="cache-index-c", log_dir=logs, env=env),
+        *(spawn_service("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", "8",
+                        nats_url=url, worker_id=f"decode-c{i}", log_dir=logs, env=env) for i in range(2)),
+    ]
+
+
+async def _streams_r3(url: str, dead: str | None = None) -> dict[str, str]:
+    """Every stream's replica count and leader (asserted R3 with a live leader); consumers follow."""
+    nc = await nats.connect(server_list(url))
+    leaders: dict[str, str] = {}
+    try:
+        js = nc.jetstream(timeout=5.0)
+        for name in STREAMS:
+            for _ in range(50):  # a stream whose leader was the dead node elects another within seconds
+                info = await js.stream_info(name)
+                if info.cluster and info.cluster.leader and info.cluster.leader != dead:
+                    break
+                await asyncio.sleep(0.2)
+            assert info.config.num_replicas == 3, (name, info.config.num_replicas)
+            assert info.cluster is not None and info.cluster.leader not in (None, dead), (name, info.cluster)
+            assert len(info.cluster.replicas or []) == 2, (name, info.cluster)
+            leaders[name] = info.cluster.leader or ""
+        for ci in await js.consumers_info(proto.Subjects.QUEUE_STREAM):
+            assert ci.cluster is not None and len(ci.cluster.replicas or []) == 2, ci
+    finally:
+        await nc.close()
+    return leaders
+
+
+async def _kill_under_load(cluster: NatsCluster, tmp_path: Path, *, same_node: bool) -> None:
+    logs = tmp_path / "logs"
+    procs = _spawn_stack(cluster.url, logs)
+    t_start = time.monotonic()
+    try:
+        await wait_ready(cluster.url, ["router-c", "cache-index-c", "decode-c0", "decode-c1"], timeout=180)
+        print(f"services ready in {time.monotonic() - t_start:.1f}s")
+        leaders = await _streams_r3(cluster.url)
+        router_node = cluster.node_of("router:router-c")
+        assert router_node is not None
+        if same_node:
+            # The clients on the router's node too (they learn the other nodes from its INFO and fail over).
+            victim, client_url = router_node, cluster.nodes[router_node].url
+        else:
+            # Not the router's node; the queue stream's leader if possible (the most to fail over).
+            queue_leader = cluster.names.index(leaders[proto.Subjects.QUEUE_STREAM])
+            victim = queue_leader if queue_leader != router_node else (router_node + 1) % 3
+            client_url = ",".join(u for i, u in enumerate(cluster.urls) if i != router_node)
+        observer = ",".join(u for i, u in enumerate(cluster.urls) if i != victim)
+        t0 = time.monotonic()
+        report = await run_load(client_url, "default", kill=lambda: cluster.kill(victim), duration_s=12.0,
+                                kill_at_s=4.0, streams=6, submit_every_s=0.05, observer_url=observer)
+        print(f"killed node {cluster.names[victim]} (router on {cluster.names[router_node]}, same_node={same_node}) "
+              f"at {report.killed_at:.1f}s: {report.summary()}; load + settle {time.monotonic() - t0:.1f}s")
+        assert len(report.accepted) > 100, report.summary()
+        assert not report.lost, (report.summary(), sorted(report.lost)[:10],
+                                 list(report.failed_after_accept.items())[:10])
+        assert not report.failed_after_accept, list(report.failed_after_accept.items())[:10]
+        assert not report.duplicated, report.duplicated
+        # Every accepted request's end was stored once (the wire saw it; SS_USAGE keeps it).
+        assert set(report.usage_records) >= report.accepted
+        t1 = time.monotonic()
+        await _streams_r3(cluster.url, dead=cluster.names[victim])
+        print(f"streams R3 with a live leader each, checked in {time.monotonic() - t1:.1f}s")
+        for p in procs:
+            assert p.poll() is None, "a service exited when a NATS node died"
+    finally:
+        t1 = time.monotonic()
+        stop(*procs)
+        print(f"services stopped in {time.monotonic() - t1:.1f}s")
+        for name in ("router-c", "decode-c0", "cache-index-c"):
+            log = logs / f"{name}.log"
+            text = log.read_text(errors="replace") if log.exists() else ""
+            print(f"--- {name}\n{text[-1500:]}")
+
+
+@pytest.mark.slow
+async def test_killing_another_node_under_load_loses_nothing(nats_cluster: NatsCluster, tmp_path: Path) -> None:
+    await _kill_under_load(nats_cluster, tmp_path, same_node=False)
+
+
+@pytest.mark.slow
+async def test_killing_the_routers_and_clients_node_loses_nothing(nats_cluster: NatsCluster,
+                                                                 tmp_path: Path) -> None:
+    await _kill_under_load(nats_cluster, tmp_path, same_node=True)
