@@ -88,6 +88,7 @@ class Bus:
         self.denied: list[PermissionDenied] = []  # the latest refusals, for callers and tests
         self._reconnect_waiters: set[asyncio.Future[None]] = set()
         self._durable: set[asyncio.Task[Any]] = set()
+        self.last_reconnect = 0.0  # time.monotonic() of the latest reconnect
         self.unconfirmed: dict[str, int] = {}  # request id -> terminal messages not yet stored by JetStream
         self.durable_retries = 0  # attempts after the first (an election, a dead node): for tests and logs
 
@@ -204,6 +205,7 @@ class Bus:
         self.denied = [*self.denied[-15:], denied]
 
     def _on_reconnect(self) -> None:
+        self.last_reconnect = time.monotonic()
         for fut in self._reconnect_waiters:
             if not fut.done():
                 fut.set_result(None)

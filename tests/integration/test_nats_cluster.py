@@ -23,9 +23,7 @@ import pytest
 
 import proto
 from splitserve.discovery import server_list
-from splitserve.natsserver import NatsCluster, start_nats_cluster
-from splitserve.tenancy import natsauth
-from splitserve.tenancy.config import load_tenants
+from splitserve.natsserver import NatsCluster
 from tests.clusterload import run_load
 from tests.procs import spawn_service, stop, wait_ready
 
