@@ -23,7 +23,7 @@ import pytest
 
 import proto
 from splitserve.discovery import server_list
-from splitserve.natsserver import NatsCluster
+from splitserve.natsserver import NatsCluster, start_nats_cluster
 from tests.clusterload import run_load
 from tests.procs import spawn_service, stop, wait_ready
 
@@ -120,3 +120,65 @@ async def test_killing_another_node_under_load_loses_nothing(nats_cluster: NatsC
 async def test_killing_the_routers_and_clients_node_loses_nothing(nats_cluster: NatsCluster,
                                                                  tmp_path: Path) -> None:
     await _kill_under_load(nats_cluster, tmp_path, same_node=True)
+
+
+def test_tenant_auth_config_holds_on_every_node(tmp_path: Path) -> None:
+    """The auth config that ``up --tenants`` generates goes into every node: a tenant and a service user log in
+    on each node, a wrong password is refused on each, the tenant is confined to its own subjects everywhere,
+    and a service's stream is created R3 through any node."""
+    from nats.js.api import StreamConfig
+
+    from splitserve.runtime.jetstream import ensure_stream
+    from splitserve.tenancy.config import TenantsConfig
+    from splitserve.tenancy.natsauth import SERVICE_ROLES, nats_auth_config, service_user
+
+    secrets = {r: f"service-secret-{r}" for r in SERVICE_ROLES}
+    conf = nats_auth_config(TenantsConfig.model_validate({"tenants": {"A": {"password": "password-of-a"}}}), secrets)
+    cluster = start_nats_cluster(tmp_path / "c", 3, extra_config=conf, user=service_user("router"),
+                                 password=secrets["router"])
+
+    async def check() -> None:
+        for i, url in enumerate(cluster.urls):
+            svc = await nats.connect(url, user=service_user("router"), password=secrets["router"])
+            tenant = await nats.connect(url, user="A", password="password-of-a", inbox_prefix="_INBOX.A")
+            denied: list[Exception] = []
+
+            async def on_err(e: Exception) -> None:
+                denied.append(e)
+
+            other = await nats.connect(url, user="A", password="password-of-a", inbox_prefix="_INBOX.A", error_cb=on_err)
+            try:
+                got: list[bytes] = []
+
+                async def on_msg(m: object) -> None:
+                    got.append(m.data)  # type: ignore[attr-defined]
+
+                await tenant.subscribe("ss.stream.A.>", cb=on_msg)
+                await tenant.flush()
+                await svc.publish("ss.stream.A.x", b"hi")
+                await svc.flush()
+                await other.subscribe("ss.stream.B.>")
+                await other.flush()
+                for _ in range(50):
+                    if got and denied:
+                        break
+                    await asyncio.sleep(0.05)
+                assert got == [b"hi"], (i, got)
+                assert denied and "permissions violation" in str(denied[0]).lower(), (i, denied)
+                with pytest.raises(Exception, match="(?i)authorization"):
+                    await nats.connect(url, user="A", password="wrong", max_reconnect_attempts=0,
+                                       allow_reconnect=False)
+                if i == 0:
+                    js = svc.jetstream()
+                    await ensure_stream(js, StreamConfig(name="PROBE", subjects=["probe.>"]), 3)
+                    info = await js.stream_info("PROBE")
+                    assert info.config.num_replicas == 3 and info.cluster is not None
+                    assert len(info.cluster.replicas or []) == 2
+            finally:
+                for nc in (svc, tenant, other):
+                    await nc.close()
+
+    try:
+        asyncio.run(check())
+    finally:
+        cluster.stop()
