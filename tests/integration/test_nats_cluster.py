@@ -42,9 +42,10 @@ def _spawn_stack(url: str, logs: Path) -> list:  # type: ignore[type-arg]
     ]
 
 
-async def _streams_r3(url: str, dead: str | None = None) -> dict[str, str]:
+async def _streams_r3(url: str, dead: str | None = None, user: str | None = None,
+                      password: str | None = None) -> dict[str, str]:
     """Every stream's replica count and leader (asserted R3 with a live leader); consumers follow."""
-    nc = await nats.connect(server_list(url))
+    nc = await nats.connect(server_list(url), user=user, password=password)
     leaders: dict[str, str] = {}
     try:
         js = nc.jetstream(timeout=5.0)
@@ -182,3 +183,45 @@ def test_tenant_auth_config_holds_on_every_node(tmp_path: Path) -> None:
         asyncio.run(check())
     finally:
         cluster.stop()
+
+
+@pytest.mark.slow
+def test_up_nats_cluster_3_with_tenants(tmp_path: Path) -> None:
+    """``splitserve up --nats-cluster 3 --tenants F``: three nodes, every URL in stack.json, the tenants' auth on
+    every node, every stream R3, a tenant's request served."""
+    import json
+
+    from splitserve import discovery
+    from splitserve.client import Client
+    from splitserve.stackproc import start_stack
+    from splitserve.tenancy.natsauth import read_admin_credentials
+
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text('tenants:\n  acme: {password: "acme-password-1"}\n')
+    env_before = os.environ.get("SPLITSERVE_MOCK_STEP_MS")
+    os.environ["SPLITSERVE_MOCK_STEP_MS"] = "4"
+    try:
+        sp = start_stack(tmp_path / "stack", "--nats-cluster", "3", "--engine", "mock", "--prefill", "0",
+                         "--decode", "1", "--tenants", str(tenants))
+    finally:
+        if env_before is None:
+            os.environ.pop("SPLITSERVE_MOCK_STEP_MS", None)
+    try:
+        urls = server_list(sp.nats_url)
+        assert len(urls) == 3, sp.output
+        assert json.loads(discovery.stack_file().read_text())["nats_urls"] == urls
+        assert sum("nats n" in line and "ready" in line for line in sp.output) == 3, sp.output
+
+        async def check() -> None:
+            for url in urls:  # a tenant is served through any node
+                async with Client(url, tenant="acme", user="acme", password="acme-password-1") as c:
+                    res = await c.complete("hello", max_tokens=4, ignore_eos=True)
+                    assert len(res.token_ids) == 4
+            admin = read_admin_credentials(tmp_path / "stack")
+            assert admin is not None
+            await _streams_r3(sp.nats_url, user=admin[0], password=admin[1])
+
+        asyncio.run(check())
+    finally:
+        rc = sp.stop()
+    assert rc == 0, sp.output
