@@ -196,7 +196,7 @@ class Generation:
                     except proto.ProtocolError as exc:
                         raise errors.SplitserveError(f"undecodable stream message: {exc.message}",
                                                      request_id=req.request_id) from None
-                if getattr(msg, "seq", 0) < expected and not isinstance(msg, StreamError):
+                if not isinstance(msg, StreamError) and (getattr(msg, "seq", None) or 0) < expected:
                     continue  # already released (a stored final after the live one, a re-sent delta)
                 if isinstance(msg, StreamError):
                     self._server_ended = True
