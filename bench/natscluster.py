@@ -109,7 +109,8 @@ def main() -> None:
                        ("JetStream publish p50", ("js_publish_ms", "p50")),
                        ("JetStream publish p99", ("js_publish_ms", "p99"))):
         print(f"{label:<28}{fmt(base[key[0]][key[1]]):>22}{fmt(clus[key[0]][key[1]]):>24}")
-    print(f"{'core publish, 1 client':<28}{base['publish_msgs_per_s']:>16,} msg/s{clus['publish_msgs_per_s']:>18,} msg/s")
+    print(f"{'core publish, 1 client':<28}{base['publish_msgs_per_s']:>16,} msg/s"
+          f"{clus['publish_msgs_per_s']:>18,} msg/s")
 
 
 if __name__ == "__main__":

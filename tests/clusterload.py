@@ -165,9 +165,11 @@ async def run_load(url: str, tenant: str, *, duration_s: float = 16.0, kill_at_s
         while time.monotonic() < stop_at:
             i += 1
             rid = f"a{i}-{uuid.uuid4().hex[:6]}"
+            def send(r: str = rid) -> Any:
+                return c.submit(f"job {r}", max_tokens=max_tokens, ignore_eos=True, request_id=r)
+
             try:
-                await accept(lambda r=rid: c.submit(f"job {r}", max_tokens=max_tokens, ignore_eos=True,
-                                                    request_id=r), rid)
+                await accept(send, rid)
             except errors.SplitserveError as exc:
                 report.failed_after_accept[rid] = f"refused: {exc}"
                 continue

@@ -105,7 +105,7 @@ async def _kill_under_load(cluster: NatsCluster, tmp_path: Path, *, same_node: b
     finally:
         t1 = time.monotonic()
         stop(*procs)
-        print(f"services stopped in {time.monotonic() - t1:.1f}s")
+        print(f"services stopped in {time.monotonic() - t1:.1f}s (exit codes {[p.returncode for p in procs]})")
         for name in ("router-c", "decode-c0", "cache-index-c"):
             log = logs / f"{name}.log"
             text = log.read_text(errors="replace") if log.exists() else ""
@@ -144,14 +144,15 @@ def test_tenant_auth_config_holds_on_every_node(tmp_path: Path) -> None:
             tenant = await nats.connect(url, user="A", password="password-of-a", inbox_prefix="_INBOX.A")
             denied: list[Exception] = []
 
-            async def on_err(e: Exception) -> None:
+            async def on_err(e: Exception, denied: list[Exception] = denied) -> None:
                 denied.append(e)
 
-            other = await nats.connect(url, user="A", password="password-of-a", inbox_prefix="_INBOX.A", error_cb=on_err)
+            other = await nats.connect(url, user="A", password="password-of-a", inbox_prefix="_INBOX.A",
+                                       error_cb=on_err)
             try:
                 got: list[bytes] = []
 
-                async def on_msg(m: object) -> None:
+                async def on_msg(m: object, got: list[bytes] = got) -> None:
                     got.append(m.data)  # type: ignore[attr-defined]
 
                 await tenant.subscribe("ss.stream.A.>", cb=on_msg)
