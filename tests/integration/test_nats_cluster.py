@@ -226,3 +226,57 @@ def test_up_nats_cluster_3_with_tenants(tmp_path: Path) -> None:
     finally:
         rc = sp.stop()
     assert rc == 0, sp.output
+
+
+@pytest.mark.slow
+async def test_a_job_lost_in_transit_is_run_again_once(fresh_nats: object, tmp_path: Path) -> None:
+    """A decode job that never reaches its worker (what a NATS node dying between router and worker does) is
+    not left hanging: a "decoder" that heartbeats as ready but drops every job gets one, the router sees that
+    no heartbeat of it ever lists the job (and no end is stored), puts it back in the queue, and the real
+    decoder runs it, once."""
+    from proto import Heartbeat, Subjects, WorkerLoad
+    from splitserve.client import Client
+
+    url = fresh_nats.url  # type: ignore[attr-defined]
+    logs = tmp_path / "logs"
+    env = dict(os.environ, SPLITSERVE_MOCK_STEP_MS="4")
+    procs = [spawn_service("services.router", "--disagg-threshold", "1000000000", "--queue-ack-wait-s", "30",
+                           nats_url=url, worker_id="router-l", log_dir=logs, env=env),
+             spawn_service("services.decode", "--engine", "mock", "--transport", "tcp", nats_url=url,
+                           worker_id="decode-real", log_dir=logs, env=env)]
+    nc = await nats.connect(url)
+    jobs: list[str] = []
+
+    async def swallow(msg: object) -> None:
+        jobs.append(proto.decode(msg.data, proto.DecodeJob).request_id)  # type: ignore[attr-defined]
+
+    async def heartbeats() -> None:
+        # Until every job it swallowed was found lost (then it goes away: the rest run on the real decoder, and
+        # no request is sent to it so often that it runs out of deliveries).
+        seq = 0
+        while not jobs or (logs / "router-l.log").read_text().count("job_lost_in_transit") < len(jobs):
+            seq += 1
+            hb = Heartbeat(worker_id="decode-void", role="decode", seq=seq, state="ready", engine="mock",
+                           max_model_len=8192, load=WorkerLoad(max_seqs=8, free_blocks=1000, total_blocks=1000))
+            await nc.publish(Subjects.heartbeat("decode", "decode-void"), proto.encode(hb))
+            await asyncio.sleep(0.5)
+
+    await nc.subscribe(Subjects.decode_job("decode-void"), cb=swallow)
+    hb_task = asyncio.create_task(heartbeats())
+    try:
+        await wait_ready(url, ["router-l", "decode-real"], timeout=180)
+        async with Client(url, tenant="lost", idle_timeout=60) as c:
+            results = await asyncio.gather(*(c.complete(f"lost {i}", max_tokens=8, ignore_eos=True)
+                                             for i in range(6)))
+        assert all(len(r.token_ids) == 8 for r in results)
+        assert jobs, "no job went to the silent decoder (round robin should have sent some)"
+        assert {r.decode_worker for r in results} == {"decode-real"}
+        router_log = (logs / "router-l.log").read_text()
+        assert router_log.count("job_lost_in_transit") >= len(jobs), router_log[-3000:]
+        real_log = (logs / "decode-real.log").read_text()
+        for r in results:  # run once: one "finished" per request on the real decoder
+            assert real_log.count(f'"request_id": "{r.request_id}", "tenant": "lost", "finish_reason"') == 1
+    finally:
+        hb_task.cancel()
+        await nc.close()
+        stop(*procs)
