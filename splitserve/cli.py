@@ -77,7 +77,8 @@ def _load_up_config(ctx: typer.Context, param: Any, value: Path | None) -> Path 
     return value
 
 
-NatsUrlOpt = typer.Option(None, "--nats-url", help="NATS server (default: the stack started on this machine)")
+NatsUrlOpt = typer.Option(None, "--nats-url", help="NATS server, or a cluster's servers comma-separated "
+                          "(default: the stack started on this machine)")
 # A tenant's NATS credentials (a stack started with --tenants requires them). Without --tenant the tenant is
 # the user name.
 UserOpt = typer.Option(None, "--user", envvar="SPLITSERVE_NATS_USER", help="NATS user (the tenant's name)")
@@ -116,8 +117,12 @@ def up(
                                          help="uncached prompt tokens at or above which a prefiller is used"),
     strategy: str = typer.Option("roundrobin", "--strategy"),
     transport: str = typer.Option("nixl", "--transport", help="KV transport: nixl | tcp"),
-    nats_url: str | None = typer.Option(None, "--nats-url", help="use this NATS server instead of starting one"),
+    nats_url: str | None = typer.Option(None, "--nats-url", help="use this NATS server (or cluster: URLs "
+                                        "comma-separated) instead of starting one"),
     nats_port: int = typer.Option(4222, "--nats-port", help="port for the embedded nats-server (free one if taken)"),
+    nats_cluster: int = typer.Option(0, "--nats-cluster", min=0, help="start a JetStream cluster of this many "
+                                     "nats-servers on loopback (ports from --nats-port up); 3 or more: every "
+                                     "stream R3"),
     state_dir: Path | None = typer.Option(None, "--state-dir", help="logs and NATS data (default ~/.splitserve/stack)"),
     threads: int | None = typer.Option(None, "--threads", help="torch threads per worker"),
     cache_tokens: int = typer.Option(8192, "--cache-tokens", help="prefix KV cache per worker, tokens (0 = off)"),
@@ -159,7 +164,8 @@ def up(
 
     cfg = StackConfig(prefill=prefill, decode=decode, engine=engine, model=model, dtype=dtype,
                       disagg_threshold=disagg_threshold, strategy=strategy, transport=usable, nats_url=nats_url,
-                      nats_port=nats_port, state_dir=state_dir or discovery.home() / "stack", threads=threads,
+                      nats_port=nats_port, nats_cluster=nats_cluster,
+                      state_dir=state_dir or discovery.home() / "stack", threads=threads,
                       cache_tokens=cache_tokens, l1_tokens=l1_tokens, prefill_cpus=prefill_cpus,
                       decode_cpus=decode_cpus, colocated=colocated, max_stall_ms=max_stall_ms,
                       long_decode=long_decode, long_decode_cpus=long_decode_cpus,
@@ -381,8 +387,8 @@ async def _operator_nc(nats_url: str | None) -> Any:
     url = discovery.resolve_nats_url(nats_url)
     try:
         user, password = _operator_creds(url)
-        return await nats_client.connect(url, connect_timeout=3, max_reconnect_attempts=0, user=user,
-                                         password=password)
+        return await nats_client.connect(discovery.server_list(url), connect_timeout=3, max_reconnect_attempts=0,
+                                         user=user, password=password)
     except Exception as exc:
         raise errors.Unavailable(f"cannot connect to NATS at {url}: {exc}") from None
 

@@ -132,6 +132,11 @@ class Generation:
             gap_since: float | None = None  # a later message arrived while an earlier one is missing
             last_msg = time.perf_counter()
             seen_reconnects = bus.reconnects
+            # This connection was re-established mid-request (its NATS node died, or a restart): messages were
+            # lost, so the end comes from the final (it carries the whole output) or from its stored copy.
+            recovering = False
+            retried_gap = False  # a stuck gap gets one recovery attempt before it is an error
+            last_poll = 0.0
             while True:
                 # Whatever is still buffered waits behind a missing message.
                 gap_since = (gap_since or time.perf_counter()) if early else None
@@ -139,6 +144,7 @@ class Generation:
                 wait = c.idle_timeout - (now - last_msg)
                 if gap_since is not None:
                     wait = min(wait, c.gap_timeout - (now - gap_since))
+                msg: Any = None
                 try:
                     # In slices, so a reconnect is noticed while waiting.
                     raw = await sub.next_msg(timeout=max(0.05, min(wait, 1.0)))
@@ -146,30 +152,54 @@ class Generation:
                     if bus.reconnects != seen_reconnects:
                         # The connection came back: what was published meanwhile is gone. Re-send the same
                         # request (idempotent: a router still running it re-accepts it, one that lost it runs
-                        # it); the final message carries the whole output, so missed deltas are recovered.
+                        # it); the final message carries the whole output, so missed deltas are recovered, and
+                        # a request that ended meanwhile is answered from its stored terminal message.
                         seen_reconnects = bus.reconnects
-                        await c._send(req)
+                        recovering = True
+                        msg = await self._resend_or_stored(req)
                         gap_since, last_msg = None, time.perf_counter()
-                        continue
-                    now = time.perf_counter()
-                    if gap_since is not None and now - gap_since >= c.gap_timeout:
-                        # Core NATS drops what is published while a connection is down: say so now
-                        # rather than wait out the idle timeout for a message that will never come.
-                        raise errors.SplitserveError(
-                            f"the stream of request {req.request_id} lost message seq {expected} (the "
-                            f"connection to NATS was interrupted?); retry the request",
-                            code=ErrorCode.INTERNAL, request_id=req.request_id, retryable=True) from None
-                    if now - last_msg >= c.idle_timeout:
-                        raise errors.Timeout(
-                            f"no token for request {req.request_id} within {c.idle_timeout:.0f}s",
-                            request_id=req.request_id) from None
-                    continue
-                last_msg = time.perf_counter()
-                try:
-                    msg = proto.decode_stream(raw.data)
-                except proto.ProtocolError as exc:
-                    raise errors.SplitserveError(f"undecodable stream message: {exc.message}",
-                                                 request_id=req.request_id) from None
+                        if msg is None:
+                            continue
+                    else:
+                        now = time.perf_counter()
+                        stuck = gap_since is not None and now - gap_since >= c.gap_timeout
+                        if (recovering or stuck) and now - last_poll >= 1.0:
+                            last_poll = now
+                            msg = await c._stored_terminal(req.tenant, req.request_id)
+                        if msg is None and stuck:
+                            if recovering:
+                                gap_since = None  # expected after a reconnect: keep waiting for the final
+                                continue
+                            if not retried_gap:
+                                # A message lost on another connection (the publisher's node died): ask the
+                                # router whether the request still runs (or fetch its end if it is over).
+                                retried_gap = True
+                                msg = await self._resend_or_stored(req)
+                                gap_since = None
+                                if msg is None:
+                                    continue
+                            else:
+                                # Core NATS drops what is published while a connection is down: say so now
+                                # rather than wait out the idle timeout for a message that will never come.
+                                raise errors.SplitserveError(
+                                    f"the stream of request {req.request_id} lost message seq {expected} (the "
+                                    f"connection to NATS was interrupted?); retry the request",
+                                    code=ErrorCode.INTERNAL, request_id=req.request_id, retryable=True) from None
+                        if msg is None:
+                            if now - last_msg >= c.idle_timeout:
+                                raise errors.Timeout(
+                                    f"no token for request {req.request_id} within {c.idle_timeout:.0f}s",
+                                    request_id=req.request_id) from None
+                            continue
+                if msg is None:
+                    last_msg = time.perf_counter()
+                    try:
+                        msg = proto.decode_stream(raw.data)
+                    except proto.ProtocolError as exc:
+                        raise errors.SplitserveError(f"undecodable stream message: {exc.message}",
+                                                     request_id=req.request_id) from None
+                if not isinstance(msg, StreamError) and (getattr(msg, "seq", None) or 0) < expected:
+                    continue  # already released (a stored final after the live one, a re-sent delta)
                 if isinstance(msg, StreamError):
                     self._server_ended = True
                     raise errors.from_wire(msg)
@@ -221,6 +251,30 @@ class Generation:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
+    async def _resend_or_stored(self, req: GenerateRequest) -> StreamFinal | StreamError | None:
+        """Re-send the request (idempotent). None: a router has it (queued or running); the stream goes on.
+        If it already ended, its stored terminal message (kept in the results stream) is returned instead."""
+        c = self._client
+        try:
+            await c._send(req)
+            return None
+        except (errors.Unavailable, errors.Timeout):
+            return None  # accepted before, so durably queued: it runs, and its end will come (or be stored)
+        except errors.SplitserveError as exc:
+            if exc.retryable:
+                return None  # e.g. the queue's stream electing a leader: as above
+            if not isinstance(exc, errors.BadRequest) or "already ended" not in str(exc):
+                raise
+            # Its end is stored once JetStream confirms it (a publisher whose node died retries until then).
+            deadline = time.monotonic() + c.idle_timeout
+            while True:
+                stored = await c._stored_terminal(req.tenant, req.request_id)
+                if stored is not None:
+                    return stored
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.25)
+
     async def cancel(self, reason: str = "cancelled by the client") -> None:
         """Stop this request wherever it is; its stream then ends with finish_reason "cancelled"."""
         await self._client.cancel(self.request_id, tenant=self.request.tenant, reason=reason)
@@ -245,6 +299,8 @@ class Client:
         accept_timeout: float = 30.0,
         idle_timeout: float = 120.0,
         gap_timeout: float = 5.0,
+        resend_s: float = 5.0,
+        failover_s: float = 5.0,
         bus: Bus | None = None,
         nkey_seed: str | None = None,
         inbox_prefix: str | None = None,
@@ -272,6 +328,9 @@ class Client:
         self.accept_timeout = accept_timeout
         self.idle_timeout = idle_timeout
         self.gap_timeout = gap_timeout  # how long a missing stream message may stay missing
+        self.resend_s = resend_s  # an unanswered request is sent again after this long (idempotent)
+        self.failover_s = failover_s  # how long "no router" may last after routers answered before
+        self._router_seen = False
         # A service that already holds a connection (the HTTP front door) lends it: one connection per
         # process, and the lender, not this client, closes it.
         self._bus: Bus | None = bus
@@ -341,6 +400,18 @@ class Client:
         await self._send(req)
         return req.request_id
 
+    async def _stored_terminal(self, tenant: str, request_id: str) -> StreamFinal | StreamError | None:
+        """The request's terminal message as stored in the results stream (every request's end is kept there,
+        see :mod:`splitserve.runtime.bus`), or None (not ended, not stored, or the store not reachable now)."""
+        js = self._require().nc.jetstream()
+        try:
+            raw = await js.get_last_msg(proto.Subjects.RESULTS_STREAM, proto.Subjects.result(tenant, request_id),
+                                        direct=True)
+            msg = proto.decode_stream(raw.data or b"")
+        except Exception:
+            return None
+        return msg if isinstance(msg, (StreamFinal, StreamError)) else None
+
     async def result(self, request_id: str, *, tenant: str | None = None, wait: float = 0.0) -> Result | None:
         """A submitted job's result: None while it is still running (after waiting up to ``wait`` seconds);
         raises the job's typed error if it failed."""
@@ -379,24 +450,59 @@ class Client:
             await asyncio.sleep(0.25)
 
     async def _send(self, req: GenerateRequest) -> Accepted:
-        """Hand a request to a router: Accepted, or the precise reason it was not."""
-        try:
-            reply = await self._require().request(proto.Subjects.request(req.tenant), req, Accepted,
-                                                  timeout=self.accept_timeout)
-        except _BusPayloadTooLarge as exc:
-            raise errors.PayloadTooLarge(str(exc), request_id=req.request_id) from None
-        except NoRespondersError:
-            raise errors.Unavailable(f"no router is serving requests at {self.nats_url}",
+        """Hand a request to a router: Accepted, or the precise reason it was not.
+
+        Re-sent (same request id: the router and the queue de-duplicate it) when this connection is
+        re-established while waiting, when no answer came within ``resend_s`` (the router's NATS node may have
+        died with the answer in flight), and, for a client that has been answered by a router before, while
+        "no responders" lasts up to ``failover_s`` (every router reconnecting after its node died)."""
+        bus = self._require()
+        subject = proto.Subjects.request(req.tenant)
+        deadline = time.monotonic() + self.accept_timeout
+        no_router_since: float | None = None
+        while True:
+            remaining = deadline - time.monotonic()
+            reconnected = bus.next_reconnect()
+            attempt = asyncio.ensure_future(bus.request(subject, req, Accepted,
+                                                        timeout=max(0.05, min(remaining, self.resend_s))))
+            try:
+                racing: set[asyncio.Future[Any]] = {attempt, reconnected}
+                await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:
+                attempt.cancel()
+                raise
+            finally:
+                reconnected.cancel()
+            if not attempt.done():
+                attempt.cancel()  # this connection came back: the request or its answer may be lost
+                with contextlib.suppress(BaseException):
+                    await attempt
+                if time.monotonic() < deadline:
+                    continue
+            try:
+                reply = attempt.result()
+            except _BusPayloadTooLarge as exc:
+                raise errors.PayloadTooLarge(str(exc), request_id=req.request_id) from None
+            except NoRespondersError:
+                now = time.monotonic()
+                no_router_since = no_router_since or now
+                if self._router_seen and now - no_router_since < self.failover_s and now < deadline:
+                    await asyncio.sleep(0.1)
+                    continue
+                raise errors.Unavailable(f"no router is serving requests at {self.nats_url}",
+                                         request_id=req.request_id) from None
+            except PermissionDenied as exc:
+                raise errors.NotAuthorized(f"tenant {req.tenant!r} is not permitted with these credentials: "
+                                           f"{exc}", request_id=req.request_id) from None
+            except (NatsTimeout, TimeoutError, asyncio.CancelledError):
+                if time.monotonic() < deadline:
+                    continue
+                raise errors.Timeout(f"no router answered within {self.accept_timeout:.0f}s",
                                      request_id=req.request_id) from None
-        except PermissionDenied as exc:
-            raise errors.NotAuthorized(f"tenant {req.tenant!r} is not permitted with these credentials: {exc}",
-                                       request_id=req.request_id) from None
-        except (NatsTimeout, TimeoutError):
-            raise errors.Timeout(f"no router answered within {self.accept_timeout:.0f}s",
-                                 request_id=req.request_id) from None
-        if isinstance(reply, StreamError):
-            raise errors.from_wire(reply)
-        return reply
+            self._router_seen = True
+            if isinstance(reply, StreamError):
+                raise errors.from_wire(reply)
+            return reply
 
     def _build(
         self,

@@ -1,6 +1,9 @@
 """Where the local stack lives: ``splitserve up`` records its NATS URL in a state file so that every client
 command on this machine reaches it with no flags.
 
+A "NATS URL" may name several servers of one cluster, comma-separated (``nats://a:4222,nats://b:4222``):
+every connection takes the list (:func:`server_list`) and fails over between them.
+
 Resolution order for a NATS URL: explicit argument, ``$SPLITSERVE_NATS_URL``, the running stack's state
 file (``$SPLITSERVE_HOME/stack.json``, default ``~/.splitserve``), then ``nats://127.0.0.1:4222``.
 
@@ -17,6 +20,19 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
+
+
+def server_list(url: str) -> list[str]:
+    """The servers of a (possibly comma-separated) NATS URL, in order, without duplicates: what nats-py's
+    ``connect(servers=...)`` takes."""
+    out: list[str] = []
+    for part in url.replace(" ", ",").split(","):
+        part = part.strip()
+        if part and part not in out:
+            out.append(part)
+    if not out:
+        raise ValueError(f"no NATS server in {url!r}")
+    return out
 
 
 def home() -> Path:

@@ -27,9 +27,10 @@ from typing import IO
 from proto import Heartbeat, Subjects
 from splitserve import discovery
 from splitserve.cpus import parse_cpus
-from splitserve.natsserver import NatsServer, child_preexec, free_port, start_nats
+from splitserve.natsserver import NatsCluster, NatsServer, child_preexec, free_port, start_nats, start_nats_cluster
 from splitserve.obs.log import QUIET_ENV
 from splitserve.runtime.bus import Bus
+from splitserve.runtime.jetstream import CLUSTER_REPLICAS, ENV_REPLICAS
 from splitserve.tenancy import consolekey, natsauth
 from splitserve.tenancy.config import load_tenants
 from splitserve.tenancy.natsauth import StackAuth
@@ -47,6 +48,9 @@ class StackConfig:
     transport: str = "nixl"
     nats_url: str | None = None
     nats_port: int | None = 4222
+    # > 1: a JetStream cluster of this many nats-servers on loopback (client ports from nats_port up), every
+    # stream R3 when >= 3 (splitserve.runtime.jetstream); services get every node's URL and fail over.
+    nats_cluster: int = 0
     state_dir: Path = field(default_factory=lambda: discovery.home() / "stack")
     ready_timeout_s: float = 600.0
     threads: int | None = None
@@ -96,6 +100,7 @@ class Stack:
         self.cfg = cfg
         self.echo = echo
         self.nats: NatsServer | None = None
+        self.nats_cluster: NatsCluster | None = None
         self.nats_url = cfg.nats_url or ""
         self.http_url = ""
         self.children: list[Child] = []
@@ -217,6 +222,11 @@ class Stack:
         env = {**QUIET_ENV, **os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1"}
         env.update(ch.env)
+        if self.nats_cluster is not None:
+            # Every stream, bucket and object store as many copies as the cluster allows (R3 from 3 nodes),
+            # decided here once rather than by each service from the nodes alive when it connects.
+            n = len(self.nats_cluster.nodes)
+            env[ENV_REPLICAS] = str(CLUSTER_REPLICAS if n >= CLUSTER_REPLICAS else 1)
         if self.auth is not None:
             # Each service authenticates as its role's user; the environment (not argv, which any local
             # user can read in ps) carries the password. A tenant's own variables must not leak in.
@@ -263,12 +273,23 @@ class Stack:
                     os.sched_setaffinity(int(tid), control)
             self.echo(f"  {'control plane':<15} cores {','.join(map(str, control))} (decode cores "
                       f"{','.join(map(str, self.pools['decode']))} run only decoders)")
-        if not self.nats_url:
+        admin = self.auth.credentials(natsauth.ADMIN_ROLE) if self.auth else (None, None)
+        if not self.nats_url and c.nats_cluster > 1:
+            ports = [c.nats_port + i for i in range(c.nats_cluster)] if c.nats_port else None
+            self.nats_cluster = await asyncio.to_thread(
+                start_nats_cluster, c.state_dir / "nats-cluster", c.nats_cluster, ports=ports,
+                log_dir=self.logs, extra_config=auth_conf, user=admin[0], password=admin[1])
+            self.nats_url = self.nats_cluster.url
+            for name, node in zip(self.nats_cluster.names, self.nats_cluster.nodes, strict=True):
+                self.echo(f"  {'nats ' + name:<15} ready  {node.url}  (pid {node.proc.pid})")
+            self.echo(f"  {'nats cluster':<15} {c.nats_cluster} nodes, JetStream streams "
+                      f"R{CLUSTER_REPLICAS if c.nats_cluster >= CLUSTER_REPLICAS else 1}; configs under "
+                      f"{c.state_dir / 'nats-cluster'}")
+        elif not self.nats_url:
             self.nats = await asyncio.to_thread(start_nats, c.state_dir / "nats", port=c.nats_port,
                                                 log_file=self.logs / "nats.log", extra_config=auth_conf)
             self.nats_url = self.nats.url
             self.echo(f"  {'nats':<15} ready  {self.nats_url}  (pid {self.nats.proc.pid})")
-        admin = self.auth.credentials(natsauth.ADMIN_ROLE) if self.auth else (None, None)
         bus = await Bus.connect(self.nats_url, "supervisor", user=admin[0], password=admin[1])
         try:
             self.children = self._children()
@@ -281,7 +302,8 @@ class Stack:
                 return rc
             # No secret goes here (the file is readable by anyone who can read the home directory): operator
             # commands find the admin credentials under state_dir/auth, readable by the stack's owner only.
-            discovery.write_stack({"pid": os.getpid(), "nats_url": self.nats_url, "state_dir": str(c.state_dir),
+            discovery.write_stack({"pid": os.getpid(), "nats_url": self.nats_url,
+                                   "nats_urls": discovery.server_list(self.nats_url), "state_dir": str(c.state_dir),
                                    "auth": self.auth is not None, "services": [ch.name for ch in self.children],
                                    "http_url": self.http_url})
             if on_ready:
@@ -294,6 +316,8 @@ class Stack:
             await bus.close()
             if self.nats:
                 self.nats.stop()
+            if self.nats_cluster:
+                self.nats_cluster.stop()
             discovery.clear_stack(os.getpid())
 
     async def _on_hb(self, raw: object) -> None:

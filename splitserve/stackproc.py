@@ -38,7 +38,9 @@ async def wait_ready(nats_url: str, worker_ids: Iterable[str], timeout: float = 
 
     want = set(worker_ids)
     seen: dict[str, proto.Heartbeat] = {}
-    nc = await nats.connect(nats_url)
+    from splitserve.discovery import server_list
+
+    nc = await nats.connect(server_list(nats_url))
     done = asyncio.Event()
 
     async def cb(msg: object) -> None:

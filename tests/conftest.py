@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.natsserver import NatsServer, start_nats
+from splitserve.natsserver import NatsCluster, NatsServer, start_nats, start_nats_cluster
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -40,3 +40,11 @@ def fresh_nats(tmp_path: Path) -> Iterator[NatsServer]:
     srv = start_nats(tmp_path / "nats", port=None)
     yield srv
     srv.stop()
+
+
+@pytest.fixture
+def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
+    """A 3-node JetStream cluster on loopback of the test's own (every stream R3)."""
+    cluster = start_nats_cluster(tmp_path / "nats-cluster", 3, log_dir=tmp_path / "nats-logs")
+    yield cluster
+    cluster.stop()

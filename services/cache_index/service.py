@@ -18,7 +18,7 @@ from typing import Any
 
 import msgpack
 from nats.aio.msg import Msg
-from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
+from nats.js.api import ConsumerConfig, DeliverPolicy, ObjectStoreConfig, StreamConfig
 from nats.js.errors import NotFoundError, ObjectNotFoundError
 
 import proto
@@ -26,6 +26,7 @@ from proto import CacheQuery, CacheQueryReply, Heartbeat, KvEventBatch, Subjects
 from services.common.resync import resync_index
 from splitserve.cache import events as cache_events
 from splitserve.cache.index import PrefixIndex
+from splitserve.runtime.jetstream import ensure_replicas, ensure_stream, replicas_for
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
 
@@ -54,14 +55,13 @@ class CacheIndexService(Service):
         self.js = self.b.nc.jetstream()
         cfg = StreamConfig(name=STREAM, subjects=[Subjects.KV_EVENTS_ALL], max_age=self.stream_max_age_s,
                            max_msgs=2_000_000)
-        try:
-            await self.js.add_stream(cfg)
-        except Exception:
-            await self.js.update_stream(cfg)
+        replicas = replicas_for(self.b.nc)  # R3 on a cluster, for the stream and the snapshot store alike
+        await ensure_stream(self.js, cfg, replicas)
         try:
             self.store = await self.js.object_store(BUCKET)
+            await ensure_replicas(self.js, f"OBJ_{BUCKET}", replicas)
         except NotFoundError:
-            self.store = await self.js.create_object_store(BUCKET)
+            self.store = await self.js.create_object_store(BUCKET, config=ObjectStoreConfig(replicas=replicas))
         await self._restore()
 
     async def _restore(self) -> None:

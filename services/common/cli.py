@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-NatsUrl = typer.Option("nats://127.0.0.1:4222", envvar="SPLITSERVE_NATS_URL")
+NatsUrl = typer.Option("nats://127.0.0.1:4222", envvar="SPLITSERVE_NATS_URL",
+                       help="NATS server, or every server of a cluster comma-separated (fail over between them)")
 Engine = typer.Option("hf", help="engine backend: hf | mock | vllm")
 Model = typer.Option(None, help="model path (default: the bundled SmolLM2-135M-Instruct)")
 Dtype = typer.Option("float32")

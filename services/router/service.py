@@ -61,6 +61,7 @@ from splitserve.obs import tracing
 from splitserve.routing import NoWorkers, RoutingRequest, WorkerView
 from splitserve.routing.live import build_router, decoder_free_slots, dispatch_batch, live_disagg, view_from_load
 from splitserve.runtime.bus import PayloadTooLarge
+from splitserve.runtime.jetstream import ensure_stream, replicas_for
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
 from splitserve.tenancy import TenantsConfig, load_tenants
@@ -71,6 +72,10 @@ _REFUSAL_CODES = {"unknown_tenant": ErrorCode.UNKNOWN_TENANT, "quota_exceeded": 
                   "prompt_too_long": ErrorCode.PROMPT_TOO_LONG, "bad_request": ErrorCode.BAD_REQUEST}
 MAX_DELIVERIES = 5  # a request that took down this many routers is failed instead of tried again
 REGISTRY_WARMUP_S = 1.5  # three heartbeat intervals
+# A job no heartbeat of its worker listed this long after it was sent (or after this router's connection came
+# back: what it published meanwhile was flushed then), while that worker kept heartbeating, never reached it:
+# the NATS node between them died with it in flight. Workers list a request until its end is stored.
+LOST_JOB_S = 2.0
 
 
 class _Rate:
@@ -100,6 +105,7 @@ class Inflight:
     routed_at: float = field(default_factory=time.monotonic)
     trace_ctx: SpanContext | None = None  # router.request's span: a later failure is recorded under it
     queue_msg: Msg | None = None  # its durable queue message, acked when the request ends
+    seen: bool = False  # a heartbeat of its worker listed it: the job reached the worker
     charged: int = 0  # tokens the fair scheduler charged at dispatch (settled at finish)
 
 
@@ -159,10 +165,7 @@ class RouterService(Service):
         cfg = StreamConfig(name=Subjects.RESULTS_STREAM, subjects=[Subjects.RESULTS_ALL],
                            max_age=self.results_ttl_s, max_bytes=1 << 30, discard=DiscardPolicy.OLD,
                            allow_direct=True)
-        try:
-            await js.add_stream(cfg)
-        except Exception:
-            await js.update_stream(cfg)
+        await ensure_stream(js, cfg, replicas_for(self.b.nc))  # R3 on a cluster
 
         self.wq = WorkQueue(self.b, ack_wait_s=self.queue_ack_wait_s)
         await self.wq.setup()  # also the usage stream, which --no-queue keeps too
@@ -213,6 +216,7 @@ class RouterService(Service):
                 inf = self.inflight.get(rid)
                 if inf is None:
                     continue
+                inf.seen = True
                 if hb.role == "decode" and inf.decoder == hb.worker_id:
                     inf.holder = hb.worker_id  # a request handed from prefiller to decoder is the decoder's now
                 self.policy.release(rid, hb.worker_id)  # this worker's own load report now counts it
@@ -252,6 +256,42 @@ class RouterService(Service):
                 for inf in [i for i in self.inflight.values() if i.holder == wid]:
                     await self._fail(inf, ErrorCode.WORKER_DIED, f"{reason} while serving this request", wid)
             await self._expire_queued()
+            try:
+                await self._check_lost_jobs()
+            except Exception as exc:  # e.g. SS_USAGE electing a leader: checked again next round
+                self.log.warning("lost_job_check_failed", error=str(exc))
+
+    async def _check_lost_jobs(self) -> None:
+        """Jobs lost in transit (see LOST_JOB_S): one that ended meanwhile is retired from its stored
+        RequestFinished; the rest go back to the queue (nak: redelivered now, run once more) or, without a
+        queue, fail as retryable."""
+        now = time.monotonic()
+        since = max(0.0, now - LOST_JOB_S)
+        for inf in [i for i in self.inflight.values() if not i.seen]:
+            if max(inf.routed_at, self.b.last_reconnect) > since:
+                continue
+            st = self.registry.workers.get(inf.holder)
+            if st is None or st.last_seen <= max(inf.routed_at, self.b.last_reconnect) + LOST_JOB_S:
+                continue  # no heartbeat from its worker since: not known to be lost (a dead one is reaped)
+            inf.seen = True  # checked once
+            done = await self.wq.finished_record(inf.tenant, inf.request_id)
+            if done is not None:
+                await self.on_finished(done, None)  # type: ignore[arg-type]
+                continue
+            self.log.warning("job_lost_in_transit", request_id=inf.request_id, worker=inf.holder)
+            if inf.queue_msg is None:
+                await self._fail(inf, ErrorCode.WORKER_DIED, "the job never reached its worker (a NATS node "
+                                 "died with it in flight)", inf.holder)
+                continue
+            self.inflight.pop(inf.request_id, None)
+            self.policy.release(inf.request_id)
+            self.quota.finish(inf.tenant, inf.request_id, None, now)
+            if inf.charged:
+                self.fair.settle(inf.tenant, inf.charged, 0)
+                inf.charged = 0
+            msg, inf.queue_msg = inf.queue_msg, None
+            with contextlib.suppress(Exception):
+                await msg.nak()
 
     async def _fail(self, inf: Inflight, code: ErrorCode, message: str, worker: str | None = None) -> None:
         self.inflight.pop(inf.request_id, None)

@@ -34,12 +34,13 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import NotFoundError
 
 import proto
 from proto import QueuedRequest, Subjects
 from splitserve.obs import tracing
 from splitserve.runtime.bus import Bus
+from splitserve.runtime.jetstream import ensure_stream, replicas_for
 
 log = structlog.get_logger("splitserve.router.queue")
 
@@ -91,10 +92,10 @@ class WorkQueue:
         await self.refresh(force=True)
 
     async def _ensure_stream(self, cfg: StreamConfig) -> None:
+        # R3 on a cluster (splitserve.runtime.jetstream); an existing stream is updated in place (an older
+        # config, or R1 from before the cluster grew)
         try:
-            await self.js.add_stream(cfg)
-        except BadRequestError:  # it exists with another config (an older version): update it in place
-            await self.js.update_stream(cfg)
+            await ensure_stream(self.js, cfg, replicas_for(self.bus.nc))
         except Exception as exc:
             raise RuntimeError(f"cannot create JetStream stream {cfg.name}: {exc!r} (JetStream storage limits "
                                "of the nats-server?)") from exc

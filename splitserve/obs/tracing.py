@@ -235,12 +235,10 @@ async def ensure_trace_stream(nc: Any) -> None:
 
     cfg = StreamConfig(name=TRACE_STREAM, subjects=[Subjects.TRACE_SPANS_ALL], max_age=TRACE_STREAM_MAX_AGE_S,
                        max_bytes=TRACE_STREAM_MAX_BYTES, storage=StorageType.FILE)
-    js = nc.jetstream()
-    try:
-        await js.add_stream(cfg)
-    except Exception:
-        with contextlib.suppress(Exception):
-            await js.update_stream(cfg)
+    from splitserve.runtime.jetstream import ensure_stream, replicas_for
+
+    with contextlib.suppress(Exception):
+        await ensure_stream(nc.jetstream(), cfg, replicas_for(nc))
 
 
 # --- the embedded exporter ---------------------------------------------------------------------------

@@ -1,9 +1,20 @@
 """A thin typed layer over nats-py: publish/request/subscribe with ``proto`` models only.
 
-It owns three rules every service must follow: payloads are checked against the server's ``max_payload``
+It owns four rules every service must follow: payloads are checked against the server's ``max_payload``
 before they reach NATS (a clear error instead of a dropped connection); trace context is injected into
-headers on every publish; and a message that fails to decode is answered with a precise error when it
-has a reply subject, otherwise logged and dropped — the handler never sees it and the service keeps running.
+headers on every publish; a message that fails to decode is answered with a precise error when it
+has a reply subject, otherwise logged and dropped — the handler never sees it and the service keeps running;
+and a request's terminal messages are stored durably (below).
+
+Durable terminals. Core NATS drops what a connection had in flight when its server dies (a node of a cluster
+SIGKILLed). So a request's end is also written to JetStream and confirmed: a ``RequestFinished`` and an async
+job's ``StreamFinal``/``StreamError`` (their subjects are captured by ``SS_USAGE`` / ``SS_RESULTS``) are
+published with a PubAck awaited and retried until stored (from a background task, so no caller waits on an
+election), and a streaming request's terminal, sent live on ``ss.stream.T.R``, gets a stored copy on
+``ss.result.T.R``, from which a client that missed it recovers (:meth:`splitserve.client.Client.result`).
+Every attempt of one message carries the same ``Nats-Msg-Id``: the stream keeps one copy, and a listener on the
+wire can tell a retried message (same id) from a second one. Until confirmed, the request id stays in
+:attr:`Bus.unconfirmed` (heartbeats list it as active, so a router never takes it for lost and runs it again).
 """
 
 from __future__ import annotations
@@ -11,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -73,6 +86,11 @@ class Bus:
         # out the timeout for a reply that cannot come).
         self._pending: dict[str, set[asyncio.Future[None]]] = {}
         self.denied: list[PermissionDenied] = []  # the latest refusals, for callers and tests
+        self._reconnect_waiters: set[asyncio.Future[None]] = set()
+        self._durable: set[asyncio.Task[Any]] = set()
+        self.last_reconnect = 0.0  # time.monotonic() of the latest reconnect
+        self.unconfirmed: dict[str, int] = {}  # request id -> terminal messages not yet stored by JetStream
+        self.durable_retries = 0  # attempts after the first (an election, a dead node): for tests and logs
 
     @classmethod
     async def connect(
@@ -113,16 +131,23 @@ class Bus:
 
         async def on_reconnect() -> None:
             reconnects[0] += 1
-            log.info("nats_reconnected")
+            url = nc.connected_url
+            log.info("nats_reconnected", server=url.netloc if url else None)
+            if holder:
+                holder[0]._on_reconnect()
 
         nc = NATS()
+        from splitserve.discovery import server_list
+
         opts: dict[str, Any] = {}
         if nkey_seed:
             opts["nkeys_seed"] = nkey_seed
         if inbox_prefix:
             opts["inbox_prefix"] = inbox_prefix
         connecting = nc.connect(
-            url,
+            # Every server of a cluster (comma-separated URL): the connection fails over between them, and
+            # learns the others from the server's INFO (connect_urls) too.
+            server_list(url),
             name=name,
             user=user,
             password=password,
@@ -131,6 +156,10 @@ class Bus:
             allow_reconnect=reconnect,
             max_reconnect_attempts=-1 if reconnect else 0,
             reconnect_time_wait=0.5,  # type: ignore[arg-type]
+            # A dead node is noticed from the socket at once (SIGKILL closes it); a node that hangs is found by
+            # pings: 3 missed at 5 s = 15 s. Reconnects hit the other nodes first (the pool is shuffled).
+            ping_interval=5,
+            max_outstanding_pings=3,
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
@@ -175,6 +204,20 @@ class Bus:
                         fut.set_exception(denied)
         self.denied = [*self.denied[-15:], denied]
 
+    def _on_reconnect(self) -> None:
+        self.last_reconnect = time.monotonic()
+        for fut in self._reconnect_waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._reconnect_waiters.clear()
+
+    def next_reconnect(self) -> asyncio.Future[None]:
+        """A future that completes when the connection is next re-established (to this server or, in a
+        cluster, another one): what was in flight on the old connection may be lost, re-send it."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._reconnect_waiters.add(fut)
+        return fut
+
     @property
     def reconnects(self) -> int:
         """How many times the connection was re-established (requests in flight may have lost messages)."""
@@ -195,7 +238,60 @@ class Bus:
         self, subject: str, msg: BaseModel, *, reply: str = "", headers: dict[str, str] | None = None
     ) -> None:
         data = self._payload(msg)
-        await self.nc.publish(subject, data, reply=reply, headers=tracing.inject(proto.headers_for(msg, headers)))
+        stored = _stored_subject(subject, msg)
+        if stored is None:
+            await self.nc.publish(subject, data, reply=reply,
+                                  headers=tracing.inject(proto.headers_for(msg, headers)))
+            return
+        hdrs = tracing.inject(proto.headers_for(msg, {**(headers or {}), "Nats-Msg-Id": uuid.uuid4().hex}))
+        if stored != subject:  # live on the stream subject now; the stored copy follows
+            await self.nc.publish(subject, data, reply=reply, headers=hdrs)
+        rid = subject.rsplit(".", 1)[-1]
+        self.unconfirmed[rid] = self.unconfirmed.get(rid, 0) + 1
+        task = asyncio.ensure_future(self._publish_stored(stored, data, hdrs, rid))
+        self._durable.add(task)
+        task.add_done_callback(self._durable.discard)
+
+    async def _publish_stored(self, subject: str, data: bytes, headers: dict[str, str], rid: str, *,
+                              give_up_s: float = 300.0) -> None:
+        """Publish until JetStream confirms it stored the message (same Nats-Msg-Id on every attempt)."""
+        from nats.errors import NoRespondersError
+        from nats.errors import TimeoutError as NatsTimeout
+
+        js = self.nc.jetstream()
+        started = time.monotonic()
+        wait = 0.2
+        try:
+            attempt = 0
+            while True:
+                attempt += 1
+                try:
+                    await js.publish(subject, data, timeout=2.0, headers=headers)
+                    if attempt > 1:
+                        log.info("terminal_stored_after_retry", subject=subject, attempts=attempt,
+                                 waited_s=round(time.monotonic() - started, 2))
+                    return
+                except NoRespondersError:
+                    # No stream captures it (no router made SS_RESULTS / SS_USAGE yet): delivered live only.
+                    return
+                except (NatsTimeout, TimeoutError, Exception) as exc:  # an election, a dead node, reconnecting
+                    if time.monotonic() - started > give_up_s:
+                        log.error("terminal_not_stored", subject=subject, attempts=attempt, error=repr(exc))
+                        return
+                    self.durable_retries += 1
+                    await asyncio.sleep(wait)
+                    wait = min(2.0, wait * 2)
+        finally:
+            n = self.unconfirmed.get(rid, 1) - 1
+            if n <= 0:
+                self.unconfirmed.pop(rid, None)
+            else:
+                self.unconfirmed[rid] = n
+
+    async def flush_stored(self, timeout: float = 10.0) -> None:
+        """Wait (bounded) until every terminal published so far is stored: before a service exits."""
+        if self._durable:
+            await asyncio.wait(set(self._durable), timeout=timeout)
 
     async def request(
         self,
@@ -291,12 +387,33 @@ class Bus:
         return task
 
     async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.flush_stored()
         for t in list(self._tasks):
             t.cancel()
         try:
             await self.nc.drain()
         except Exception:
             await self.nc.close()
+
+
+_TERMINALS = (proto.StreamFinal, proto.StreamError, proto.RequestFinished)
+
+
+def _stored_subject(subject: str, msg: BaseModel) -> str | None:
+    """Where a request's terminal message is kept (see the module docstring), or None for any other message."""
+    if not isinstance(msg, _TERMINALS):
+        return None
+    parts = subject.split(".")
+    if isinstance(msg, proto.RequestFinished):
+        return subject if len(parts) == 5 and parts[:3] == ["ss", "evt", "finished"] else None
+    if len(parts) != 4 or parts[0] != "ss":
+        return None
+    if parts[1] == "result":
+        return subject
+    if parts[1] == "stream":
+        return f"ss.result.{parts[2]}.{parts[3]}"
+    return None
 
 
 def _is_auth_error(exc: BaseException) -> bool:

@@ -90,7 +90,10 @@ class Service:
             interval_ms=self.heartbeat_s * 1000,
             pid=os.getpid(),
             load=self.load(),
-            active_requests=self.active_requests(),
+            # Requests whose end is not yet stored durably still count as this worker's (see Bus.publish):
+            # a router must not take them for lost and run them again.
+            active_requests=list(dict.fromkeys([*self.active_requests(),
+                                                *(self.bus.unconfirmed if self.bus else {})])),
             **self.heartbeat_extra(),
         )
         if self.bus is not None and self.bus.nc.is_connected:

@@ -1,0 +1,81 @@
+"""How many copies every JetStream stream, KV bucket and object store keeps, and creating them that way.
+
+One rule for the whole system: R3 on a cluster of at least 3 nodes (one node may die with nothing lost and
+every stream still writable: a 3-replica group keeps its quorum of 2), R1 on a single server (there is no
+other copy to keep). The replica count comes from ``$SPLITSERVE_STREAM_REPLICAS`` when set (``splitserve up
+--nats-cluster N`` sets it for every service), else from the cluster the connection sees: the server's INFO
+lists the client URLs of every node it knows (``connect_urls``).
+
+A stream that already exists is updated in place: a stream created R1 (before the cluster grew, or by an
+older version) is scaled up to the wanted count, and its durable consumers follow; a stream is never scaled
+down here (a service that came up while a node was away must not shrink what the others made R3).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import structlog
+from nats.js import JetStreamContext
+from nats.js.api import StreamConfig
+from nats.js.errors import NotFoundError
+
+ENV_REPLICAS = "SPLITSERVE_STREAM_REPLICAS"
+CLUSTER_REPLICAS = 3  # the replica count on a cluster of >= 3 nodes (quorum 2: survives one node)
+
+log = structlog.get_logger("splitserve.jetstream")
+
+
+def cluster_size(nc: Any) -> int:
+    """Nodes of the cluster this connection is on, as its server announces them (1 for a lone server)."""
+    info = getattr(nc, "_server_info", None) or {}
+    urls = {str(u) for u in info.get("connect_urls") or ()}
+    return max(1, len(urls))
+
+
+def replicas_for(nc: Any) -> int:
+    """The replica count for every stream, KV bucket and object store (see the module docstring)."""
+    env = os.environ.get(ENV_REPLICAS)
+    if env:
+        try:
+            return max(1, min(5, int(env)))
+        except ValueError:
+            raise ValueError(f"${ENV_REPLICAS} must be a number of replicas (1-5), not {env!r}") from None
+    return CLUSTER_REPLICAS if cluster_size(nc) >= CLUSTER_REPLICAS else 1
+
+
+async def ensure_stream(js: JetStreamContext, cfg: StreamConfig, replicas: int) -> None:
+    """Create the stream with ``replicas`` copies, or update the existing one to ``cfg`` (scaling it up to
+    ``replicas``, never down)."""
+    try:
+        existing = await js.stream_info(cfg.name or "")
+    except NotFoundError:
+        existing = None
+    if existing is None:
+        cfg.num_replicas = replicas
+        try:
+            await js.add_stream(cfg)
+            return
+        except Exception as exc:
+            if "already in use" not in str(exc):
+                raise
+            existing = await js.stream_info(cfg.name or "")  # another service created it meanwhile
+    have = int(existing.config.num_replicas or 1)
+    cfg.num_replicas = max(replicas, have)
+    if cfg.num_replicas != have:
+        log.info("stream_scaled", stream=cfg.name, replicas_from=have, replicas_to=cfg.num_replicas)
+    await js.update_stream(cfg)
+
+
+async def ensure_replicas(js: JetStreamContext, stream: str, replicas: int) -> None:
+    """Scale an existing stream (the one behind a KV bucket ``KV_x`` or object store ``OBJ_x``) up to
+    ``replicas``, keeping the rest of its config."""
+    info = await js.stream_info(stream)
+    have = int(info.config.num_replicas or 1)
+    if have >= replicas:
+        return
+    cfg = info.config
+    cfg.num_replicas = replicas
+    log.info("stream_scaled", stream=stream, replicas_from=have, replicas_to=replicas)
+    await js.update_stream(cfg)
