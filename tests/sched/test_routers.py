@@ -1,0 +1,267 @@
+"""Several router replicas behind one queue, against real processes: nats-server (JetStream), three routers
+sharing a tenants file, and decode workers running the ``mock`` engine (a control-plane load test).
+
+With three routers every promise of one router holds cluster-wide:
+
+- a request re-sent to another replica reattaches (accepted again by a different router, run once);
+- max_inflight and tokens_per_minute are global: never exceeded (the README says they are exact), where three
+  routers keeping their own books would admit up to three times the limit;
+- token shares follow the weights (3:1) within the bounds the one-router test uses;
+- a router SIGKILLed mid-load loses no accepted request and runs none twice: every request gets exactly one
+  terminal message and one RequestFinished on the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+
+import proto
+from proto import Accepted, GenerateRequest, SamplingParams, StreamError, StreamFinal, Subjects
+from splitserve import errors
+from splitserve.client import Client, Result
+from splitserve.natsserver import NatsServer
+from splitserve.ops import read_usage, sum_usage
+from tests.procs import spawn_service, stop, wait_ready
+
+pytestmark = pytest.mark.slow
+
+ROUTERS = ["router-m0", "router-m1", "router-m2"]
+DECODERS = ["decode-m0", "decode-m1"]
+TENANTS = """
+defaults: {max_tokens: 64}
+tenants:
+  heavy: {weight: 3}
+  slim: {weight: 1}
+  capped: {max_inflight: 4}
+  metered: {tokens_per_minute: 2500}
+  resend: {}
+  killme: {}
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, list]]:  # type: ignore[type-arg]
+    from splitserve.natsserver import start_nats
+
+    work = Path(tmp_path_factory.mktemp("routers"))
+    srv: NatsServer = start_nats(work / "nats", port=None)
+    logs = work / "logs"
+    tenants = work / "tenants.yaml"
+    tenants.write_text(TENANTS)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPLITSERVE_MOCK_STEP_MS", "4")  # inherited by the worker processes
+    procs = [spawn_service("services.router", "--tenants", str(tenants), "--disagg-threshold", "1000000000",
+                           "--queue-ack-wait-s", "3", nats_url=srv.url, worker_id=r, log_dir=logs) for r in ROUTERS]
+    procs += [spawn_service("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", "4",
+                            nats_url=srv.url, worker_id=d, log_dir=logs) for d in DECODERS]
+    mp.undo()
+    try:
+        asyncio.run(wait_ready(srv.url, ROUTERS + DECODERS, timeout=240))
+        yield srv.url, logs, procs
+    finally:
+        stop(*procs)
+        for name in ROUTERS:
+            log = logs / f"{name}.log"
+            print(f"--- {name}\n{log.read_text(errors='replace')[-2000:] if log.exists() else ''}")
+        srv.stop()
+
+
+class _Wire:
+    """Counts, per request id, the terminal messages (final or error) and RequestFinished events on the wire."""
+
+    def __init__(self) -> None:
+        self.terminals: Counter[str] = Counter()
+        self.finished: Counter[str] = Counter()
+        self.ended_at: dict[str, float] = {}
+        self.nc: nats.NATS | None = None
+
+    async def start(self, url: str, tenant: str) -> None:
+        self.nc = await nats.connect(url)
+
+        async def on_stream(msg: object) -> None:
+            try:
+                m = proto.decode_stream(msg.data)  # type: ignore[attr-defined]
+            except proto.ProtocolError:
+                return
+            if isinstance(m, (StreamFinal, StreamError)) and m.request_id:
+                self.terminals[m.request_id] += 1
+                self.ended_at.setdefault(m.request_id, time.monotonic())
+
+        async def on_finished(msg: object) -> None:
+            ev = proto.decode(msg.data, proto.RequestFinished)  # type: ignore[attr-defined]
+            self.finished[ev.request_id] += 1
+
+        await self.nc.subscribe(f"ss.stream.{tenant}.>", cb=on_stream)
+        await self.nc.subscribe(f"ss.result.{tenant}.>", cb=on_stream)
+        await self.nc.subscribe(f"ss.evt.finished.{tenant}.>", cb=on_finished)
+
+    async def close(self) -> None:
+        if self.nc is not None:
+            await self.nc.close()
+
+
+async def test_resend_to_another_replica_reattaches(cluster: tuple[str, Path, list]) -> None:  # type: ignore[type-arg]
+    url, _, _ = cluster
+    wire = _Wire()
+    await wire.start(url, "resend")
+    nc = await nats.connect(url)
+    try:
+        rid = "resend-once-1"
+        req = GenerateRequest(request_id=rid, tenant="resend", prompt="run me once",
+                              sampling=SamplingParams(max_tokens=60), stream_subject=Subjects.result("resend", rid),
+                              stream=False)
+        answered: list[str] = []
+        # The routers share one queue group: re-send until a replica other than the first one answers.
+        for _ in range(40):
+            reply = await nc.request(Subjects.request("resend"), proto.encode(req), timeout=10)
+            acc = proto.decode(reply.data, Accepted)
+            answered.append(acc.router_id)
+            if len(set(answered)) >= 2 and len(answered) >= 4:
+                break
+        assert len(set(answered)) >= 2, answered
+        deadline = time.monotonic() + 30
+        while wire.terminals[rid] < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        # and once it ended, a re-send is refused rather than run again
+        await asyncio.sleep(0.3)
+        reply = await nc.request(Subjects.request("resend"), proto.encode(req), timeout=10)
+        err = proto.decode(reply.data, StreamError)
+        assert err.code == proto.ErrorCode.BAD_REQUEST and "already ended" in err.message
+        await asyncio.sleep(1.0)
+        assert wire.terminals[rid] == 1 and wire.finished[rid] == 1, (wire.terminals, wire.finished)
+        print(f"re-sent {len(answered)} times, accepted by {Counter(answered)}; ran once")
+    finally:
+        await nc.close()
+        await wire.close()
+
+
+async def test_max_inflight_is_global(cluster: tuple[str, Path, list]) -> None:  # type: ignore[type-arg]
+    url, _, _ = cluster
+    wire = _Wire()
+    await wire.start(url, "capped")
+    accepted_at: dict[str, float] = {}
+    refused = 0
+    try:
+        async with Client(url, tenant="capped") as c:
+            async def one(i: int) -> None:
+                nonlocal refused
+                try:
+                    rid = await c.submit(f"capped {i}", max_tokens=64)
+                    accepted_at[rid] = time.monotonic()
+                except errors.QuotaExceeded as exc:
+                    assert "max_inflight" in str(exc)
+                    refused += 1
+
+            for wave in range(6):  # bursts over all three routers, while earlier ones still run
+                await asyncio.gather(*(one(wave * 20 + i) for i in range(20)))
+                await asyncio.sleep(0.15)
+            for rid in accepted_at:
+                assert await c.result(rid, wait=60) is not None
+        await asyncio.sleep(0.5)
+    finally:
+        await wire.close()
+    # Observed in-flight intervals (accept reply -> terminal) lie inside the quota's (reserve -> release), so
+    # their largest overlap is a lower bound of what the routers admitted at once.
+    events = sorted([(t, 1) for t in accepted_at.values()] + [(wire.ended_at[r], -1) for r in accepted_at])
+    peak = level = 0
+    for _, d in events:
+        level += d
+        peak = max(peak, level)
+    print(f"capped: {len(accepted_at)} accepted, {refused} refused, peak {peak} in flight (max_inflight 4)")
+    assert refused > 0 and len(accepted_at) >= 8
+    assert peak <= 4
+    assert all(wire.terminals[r] == 1 for r in accepted_at)
+
+
+async def test_tokens_per_minute_is_global(cluster: tuple[str, Path, list]) -> None:  # type: ignore[type-arg]
+    url, _, _ = cluster
+    used = 0
+    refused = 0
+    t0 = time.monotonic()
+    async with Client(url, tenant="metered") as c:
+        async def one(i: int) -> None:
+            nonlocal used, refused
+            try:
+                r = await c.complete(f"metered {i}", max_tokens=64)
+                used += r.usage.prompt_tokens + r.usage.completion_tokens
+            except errors.QuotaExceeded as exc:
+                assert "tokens_per_minute" in str(exc)
+                refused += 1
+
+        await asyncio.gather(*(one(i) for i in range(80)))  # ~70 tokens each: 80 would be ~5,600
+    took = time.monotonic() - t0
+    print(f"metered: {used} tokens used in {took:.1f}s, {refused} refused (tokens_per_minute 2500)")
+    assert took < 60  # all of it inside one minute
+    assert refused > 0
+    assert 2500 - 200 <= used <= 2500  # the limit bound, and it was the limit that bound (not too strict)
+
+
+async def test_token_shares_follow_weights_across_replicas(cluster: tuple[str, Path, list]) -> None:  # type: ignore[type-arg]
+    url, _, _ = cluster
+    async with Client(url, tenant="heavy") as hc, Client(url, tenant="slim") as sc:
+        futs = []
+        for i in range(120):
+            for name, c in (("heavy", hc), ("slim", sc)):
+                futs.append((name, c, asyncio.ensure_future(c.submit(f"{name} {i}: same size", max_tokens=8))))
+        rids = [(name, c, await f) for name, c, f in futs]
+        results: list[tuple[str, Result]] = []
+        for name, c, rid in rids:
+            r = await c.result(rid, wait=120)
+            assert r is not None
+            results.append((name, r))
+    order = sorted(results, key=lambda nr: (nr[1].timings.queue_ms or 0.0))
+    first = Counter(name for name, _ in order[20:100])  # both still backlogged here
+    by_router = Counter(r.decision.get("router") for _, r in results)
+    ratio = first["heavy"] / max(1, first["slim"])
+    print(f"dispatches 20-100: {dict(first)} ratio {ratio:.2f} (weights 3:1); dispatched by {dict(by_router)}")
+    assert len(by_router) >= 2  # more than one replica dispatched
+    assert 2.0 <= ratio <= 4.5  # the bounds of the one-router test
+
+
+async def test_router_killed_mid_load_loses_nothing_runs_nothing_twice(
+        cluster: tuple[str, Path, list]) -> None:  # type: ignore[type-arg]
+    url, logs, procs = cluster
+    wire = _Wire()
+    await wire.start(url, "killme")
+    victim = procs[1]  # router-m1
+    try:
+        async with Client(url, tenant="killme") as c:
+            rids = list(await asyncio.gather(*(c.submit(f"job {i}", max_tokens=16) for i in range(300))))
+            streams = [asyncio.ensure_future(c.complete(f"stream {i}", max_tokens=16)) for i in range(30)]
+            deadline = time.monotonic() + 60
+            while len(wire.terminals) < 20 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            done_before = len(wire.terminals)
+            victim.kill()  # SIGKILL: its un-acked queue messages come back to the other two after the ack wait
+            victim.wait()
+            # more load while it is gone: the survivors take it
+            late = list(await asyncio.gather(*(c.submit(f"late {i}", max_tokens=16) for i in range(50))))
+            stream_results = await asyncio.gather(*streams, return_exceptions=True)
+            results = [await c.result(rid, wait=120) for rid in rids + late]
+        await asyncio.sleep(4.0)  # past the ack wait: anything handed out twice would show up now
+    finally:
+        await wire.close()
+    print(f"{done_before} ended before the kill; terminals {sum(wire.terminals.values())}")
+    assert 0 < done_before < 300
+    assert all(isinstance(r, Result) for r in stream_results), stream_results
+    assert all(r is not None and r.finish_reason == "length" for r in results)
+    every = set(rids) | set(late) | {r.request_id for r in stream_results if isinstance(r, Result)}
+    assert len(every) == 380
+    twice = {rid: n for rid, n in wire.terminals.items() if n != 1}
+    assert not twice, f"requests with more than one terminal message: {twice}"
+    assert set(wire.terminals) == every
+    assert {rid: n for rid, n in wire.finished.items() if n != 1} == {} and set(wire.finished) == every
+    async with await nats.connect(url) as nc:
+        usage = sum_usage(await read_usage(nc, tenant="killme"))
+    assert usage["killme"].requests == 380 and usage["killme"].ok == 380
+    survivors = "".join((logs / f"{r}.log").read_text() for r in ("router-m0", "router-m2"))
+    recovered = sum(survivors.count(k) for k in ('"redelivered_already_finished"', '"redelivered_adopted"',
+                                                  '"recovered_dispatching"', '"queued_request_already_ended"'))
+    print(f"recovered by the survivors: {recovered}")
