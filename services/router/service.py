@@ -68,7 +68,7 @@ from proto import (
 )
 from services.common.resync import resync_index
 from services.router.shared import RequestRegistry, SharedQuota
-from services.router.workqueue import WorkQueue
+from services.router.workqueue import WorkQueue, ensure_stream
 from splitserve.cache import events as cache_events
 from splitserve.cache.index import PrefixIndex
 from splitserve.obs import tracing
@@ -186,10 +186,7 @@ class RouterService(Service):
         cfg = StreamConfig(name=Subjects.RESULTS_STREAM, subjects=[Subjects.RESULTS_ALL],
                            max_age=self.results_ttl_s, max_bytes=1 << 30, discard=DiscardPolicy.OLD,
                            allow_direct=True)
-        try:
-            await js.add_stream(cfg)
-        except Exception:
-            await js.update_stream(cfg)
+        await ensure_stream(js, cfg)
 
         self.wq = WorkQueue(self.b, ack_wait_s=self.queue_ack_wait_s)
         await self.wq.setup()  # also the usage stream, which --no-queue keeps too
@@ -850,7 +847,8 @@ class RouterService(Service):
             request_id=req.request_id, tenant=req.tenant, prompt_token_ids=ids, sampling=req.sampling,
             stream_subject=req.stream_subject, route=route, decoder_id=decision.decoder,
             prefill_worker=decision.prefiller, created_ms=req.created_ms, routed_ms=now_ms(),
-            deadline_ms=req.deadline_ms, decision=decision.to_dict(), stream=req.stream,
+            deadline_ms=req.deadline_ms, decision={**decision.to_dict(), "router": self.worker_id},
+            stream=req.stream,
         )
         charge = len(ids) + req.sampling.max_tokens
         inf = Inflight(request_id=req.request_id, tenant=req.tenant, stream_subject=req.stream_subject,
@@ -861,8 +859,7 @@ class RouterService(Service):
         self.fair.charge(req.tenant, charge)
         self.inflight[req.request_id] = inf
         inf.trace_ctx = sp.get_span_context() if sp.get_span_context().is_valid else None
-        ddict = decision.to_dict()
-        ddict["router"] = self.worker_id
+        ddict = job.decision
         if self.use_queue:
             # The other routers count it on these workers until the workers' heartbeats do.
             ent = self.policy.pending_entries(decision)

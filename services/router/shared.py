@@ -25,7 +25,7 @@ from typing import Any
 import structlog
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 import proto
@@ -39,13 +39,20 @@ CAS_ATTEMPTS = 64  # a tenant's usage under heavy contention from many routers: 
 
 
 async def _bucket(js: JetStreamContext, cfg: KeyValueConfig) -> KeyValue:
-    try:
-        return await js.create_key_value(cfg)
-    except Exception:  # it exists (perhaps with another config, e.g. made by an older router): use it as is
+    # Open it first: re-creating an existing bucket makes the server count its storage reservation twice (see
+    # services.router.workqueue.ensure_stream).
+    for attempt in range(3):
         try:
             return await js.key_value(cfg.bucket)
-        except Exception as exc:
-            raise RuntimeError(f"cannot create or open JetStream KV bucket {cfg.bucket}: {exc!r}") from exc
+        except BucketNotFoundError:
+            pass
+        try:
+            return await js.create_key_value(cfg)
+        except Exception as exc:  # created by another router meanwhile? open it
+            if attempt == 2:
+                raise RuntimeError(f"cannot create JetStream KV bucket {cfg.bucket}: {exc!r}") from exc
+            await asyncio.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 class RequestRegistry:

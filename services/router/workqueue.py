@@ -34,7 +34,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import NotFoundError
 
 import proto
 from proto import QueuedRequest, Subjects
@@ -68,6 +68,40 @@ class _Lane:
         return Subjects.queue(self.tenant, self.klass)
 
 
+_COMPARED = ("subjects", "retention", "storage", "max_bytes", "max_age", "duplicate_window", "discard",
+             "allow_direct")
+
+
+async def ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+    """Create the stream, or bring an existing one to ``cfg``; leave it alone when it already matches. (Adding or
+    updating an existing stream makes the server count its max_bytes reservation a second time: near the
+    server's JetStream storage limit that fails with "insufficient storage resources", so several routers
+    starting together, or a restarted one, must not do it needlessly.)"""
+    assert cfg.name is not None
+    for attempt in range(3):
+        try:
+            info = await js.stream_info(cfg.name)
+        except NotFoundError:
+            try:
+                await js.add_stream(cfg)
+                return
+            except Exception as exc:
+                if attempt == 2:
+                    raise RuntimeError(f"cannot create JetStream stream {cfg.name}: {exc!r} (JetStream storage "
+                                       "limits of the nats-server?)") from exc
+                await asyncio.sleep(0.2 * (attempt + 1))  # created by another router meanwhile? look again
+                continue
+        have = info.config
+        if all(getattr(cfg, f) is None or getattr(cfg, f) == getattr(have, f) for f in _COMPARED):
+            return
+        try:  # it exists with another config (an older version): update it in place
+            await js.update_stream(cfg)
+            return
+        except Exception as exc:
+            raise RuntimeError(f"cannot update JetStream stream {cfg.name}: {exc!r} (JetStream storage limits "
+                               "of the nats-server?)") from exc
+
+
 class WorkQueue:
     def __init__(self, bus: Bus, *, ack_wait_s: float = 30.0, usage_ttl_s: float = 7 * 86400.0,
                  dedupe_window_s: float = 600.0) -> None:
@@ -91,13 +125,7 @@ class WorkQueue:
         await self.refresh(force=True)
 
     async def _ensure_stream(self, cfg: StreamConfig) -> None:
-        try:
-            await self.js.add_stream(cfg)
-        except BadRequestError:  # it exists with another config (an older version): update it in place
-            await self.js.update_stream(cfg)
-        except Exception as exc:
-            raise RuntimeError(f"cannot create JetStream stream {cfg.name}: {exc!r} (JetStream storage limits "
-                               "of the nats-server?)") from exc
+        await ensure_stream(self.js, cfg)
 
     # --- intake ----------------------------------------------------------------------------------------
     async def enqueue(self, q: QueuedRequest) -> bool:

@@ -159,9 +159,9 @@ async def test_max_inflight_is_global(cluster: tuple[str, Path, list]) -> None: 
                     assert "max_inflight" in str(exc)
                     refused += 1
 
-            for wave in range(6):  # bursts over all three routers, while earlier ones still run
+            for wave in range(10):  # bursts over all three routers, while earlier ones still run
                 await asyncio.gather(*(one(wave * 20 + i) for i in range(20)))
-                await asyncio.sleep(0.15)
+                await asyncio.sleep(0.3)
             for rid in accepted_at:
                 assert await c.result(rid, wait=60) is not None
         await asyncio.sleep(0.5)
