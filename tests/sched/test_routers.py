@@ -232,9 +232,23 @@ async def test_router_killed_mid_load_loses_nothing_runs_nothing_twice(
     await wire.start(url, "killme")
     victim = procs[1]  # router-m1
     try:
-        async with Client(url, tenant="killme") as c:
+        # accept_timeout 10 s: a request the victim took off the queue group but had not answered yet was never
+        # accepted; its caller re-sends it with the same id (to a live replica), as a client must.
+        async with Client(url, tenant="killme", accept_timeout=10) as c:
             rids = list(await asyncio.gather(*(c.submit(f"job {i}", max_tokens=16) for i in range(300))))
-            streams = [asyncio.ensure_future(c.complete(f"stream {i}", max_tokens=16)) for i in range(30)]
+            resent = 0
+
+            async def stream(i: int) -> Result:
+                nonlocal resent
+                for _ in range(3):
+                    try:
+                        return await c.complete(f"stream {i}", max_tokens=16, request_id=f"kill-stream-{i}")
+                    except errors.Timeout as exc:
+                        assert "no router answered" in str(exc)
+                        resent += 1
+                raise AssertionError(f"kill-stream-{i} was never accepted")
+
+            streams = [asyncio.ensure_future(stream(i)) for i in range(30)]
             deadline = time.monotonic() + 60
             while len(wire.terminals) < 20 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -248,7 +262,8 @@ async def test_router_killed_mid_load_loses_nothing_runs_nothing_twice(
         await asyncio.sleep(4.0)  # past the ack wait: anything handed out twice would show up now
     finally:
         await wire.close()
-    print(f"{done_before} ended before the kill; terminals {sum(wire.terminals.values())}")
+    print(f"{done_before} ended before the kill; terminals {sum(wire.terminals.values())}; {resent} streams re-sent "
+          "after their router died unanswered")
     assert 0 < done_before < 300
     assert all(isinstance(r, Result) for r in stream_results), stream_results
     assert all(r is not None and r.finish_reason == "length" for r in results)
