@@ -301,3 +301,48 @@ async def test_router_killed_mid_load_loses_nothing_runs_nothing_twice(
     assert recovered > 0  # the kill left requests mid-flight, and the survivors took them over
     assert peak <= 4 and capped_refused > 0
     assert all(capped_wire.terminals[r] == 1 for r in capped_at)
+
+
+def test_up_routers_starts_replicas_each_restarted_on_its_own(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # The real supervisor: `splitserve up --routers 2` (mock engine). Both replicas serve; one SIGKILLed is
+    # restarted by itself while the other keeps serving, and the client needs no change.
+    import os
+    import signal
+
+    from splitserve.stackproc import start_stack
+    from tests.procs import heartbeat_of
+
+    monkeypatch.setenv("SPLITSERVE_MOCK_STEP_MS", "2")
+    sp = start_stack(tmp_path / "stack", "--routers", "2", "--engine", "mock", "--prefill", "0", "--decode", "1",
+                     "--transport", "tcp")
+    try:
+        assert sum("router-" in line and "ready" in line for line in sp.output) >= 2, sp.output
+
+        async def traffic(tag: str) -> Counter[str]:
+            async with Client(sp.nats_url, tenant="up") as c:
+                rs = await asyncio.gather(*(c.complete(f"{tag} {i}", max_tokens=4) for i in range(30)))
+            assert all(len(r.token_ids) == 4 for r in rs)
+            return Counter(str(r.decision.get("router")) for r in rs)
+
+        before = asyncio.run(traffic("before"))
+        hb = asyncio.run(heartbeat_of(sp.nats_url, "router-1", role="router"))
+        assert hb.pid is not None
+        os.kill(hb.pid, signal.SIGKILL)
+        during = asyncio.run(traffic("during"))  # router-0 alone meanwhile
+        deadline = time.monotonic() + 240
+        again = hb
+        while time.monotonic() < deadline:  # the supervisor restarts it: a new process of the same id, ready
+            try:
+                again = asyncio.run(heartbeat_of(sp.nats_url, "router-1", role="router"))
+            except Exception:
+                continue
+            if again.pid != hb.pid and again.state == "ready":
+                break
+        assert again.pid != hb.pid and again.state == "ready"
+        after = asyncio.run(traffic("after"))
+        print(f"dispatched by: before {dict(before)}, during {dict(during)}, after {dict(after)}")
+        assert set(before) <= {"router-0", "router-1"} and set(after) <= {"router-0", "router-1"}
+        assert len(before | after) == 2  # both replicas dispatch
+    finally:
+        assert sp.stop() == 0, sp.output
