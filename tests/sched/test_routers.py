@@ -320,8 +320,18 @@ def test_up_routers_starts_replicas_each_restarted_on_its_own(tmp_path: Path,
         assert sum("router-" in line and "ready" in line for line in sp.output) >= 2, sp.output
 
         async def traffic(tag: str) -> Counter[str]:
-            async with Client(sp.nats_url, tenant="up") as c:
-                rs = await asyncio.gather(*(c.complete(f"{tag} {i}", max_tokens=4) for i in range(30)))
+            # accept_timeout 10 s: a request that reached the killed replica just before it died was never
+            # accepted; it is re-sent with the same id, as a client must
+            async with Client(sp.nats_url, tenant="up", accept_timeout=10) as c:
+                async def one(i: int) -> Result:
+                    for _ in range(3):
+                        try:
+                            return await c.complete(f"{tag} {i}", max_tokens=4, request_id=f"{tag}-{i}")
+                        except errors.Timeout:
+                            continue
+                    raise AssertionError(f"{tag}-{i} was never accepted")
+
+                rs = await asyncio.gather(*(one(i) for i in range(30)))
             assert all(len(r.token_ids) == 4 for r in rs)
             return Counter(str(r.decision.get("router")) for r in rs)
 
