@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -57,6 +58,18 @@ async def _throughput(url: str, n: int, concurrency: int, tenants: int, tag: str
         await c.close()
     return {"requests": n, "seconds": took, "requests_per_s": (n - len(errors)) / took, "errors": len(errors),
             "dispatched_by": routers}
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 60.0) -> None:
+    for p in procs:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def main() -> None:
@@ -103,16 +116,12 @@ def main() -> None:
                 asyncio.run(_throughput(url, 100, a.concurrency, a.tenants, f"warm{n}"))
                 results["runs"][str(n)] = asyncio.run(_throughput(url, a.requests, a.concurrency, a.tenants,
                                                                   f"n{n}"))
+                r = results["runs"][str(n)]
+                print(f"  {n} router(s): {r['requests_per_s']:.0f} req/s, {r['errors']} errors", file=sys.stderr)
             finally:
-                for p in routers:
-                    p.terminate()
-                for p in routers:
-                    p.wait(timeout=30)
+                _stop(routers)
     finally:
-        for p in decoders:
-            p.terminate()
-        for p in decoders:
-            p.wait(timeout=30)
+        _stop(decoders)
         nats.stop()
 
     base = results["runs"][str(counts[0])]["requests_per_s"]
