@@ -44,6 +44,9 @@ from splitserve.runtime.bus import Bus
 log = structlog.get_logger("splitserve.router.queue")
 
 NUM_CLASSES = 3  # priority 0-3 -> p0, 4-7 -> p1, 8-9 -> p2
+# How long one pull may wait when the lane turns out empty. With several routers a lane's pending count is often
+# stale (another router took what was there): nats-py's fetch then blocks for its whole timeout, so it is short.
+FETCH_TIMEOUT_S = 0.05
 
 
 def priority_class(priority: int) -> int:
@@ -66,6 +69,11 @@ class _Lane:
     @property
     def subject(self) -> str:
         return Subjects.queue(self.tenant, self.klass)
+
+    def waiting(self) -> int:
+        # Messages a pull that timed out client-side still brought in sit in the subscription's buffer: they
+        # are this router's to dispatch (the next fetch returns them first), so they count as waiting here.
+        return max(0, self.pending) + self.sub.pending_msgs
 
 
 _COMPARED = ("subjects", "retention", "storage", "max_bytes", "max_age", "duplicate_window", "discard",
@@ -164,7 +172,7 @@ class WorkQueue:
     def pending_by_tenant(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for (tenant, _), lane in self._lanes.items():
-            out[tenant] = out.get(tenant, 0) + max(0, lane.pending)
+            out[tenant] = out.get(tenant, 0) + lane.waiting()
         return out
 
     def pending_by_class(self, tenant: str) -> dict[str, int]:
@@ -175,11 +183,11 @@ class WorkQueue:
         has none after all."""
         for klass in range(NUM_CLASSES):
             lane = self._lanes.get((tenant, klass))
-            if lane is None or lane.pending <= 0:
+            if lane is None or lane.waiting() <= 0:
                 continue
-            want = max(1, min(max_msgs, lane.pending))
+            want = max(1, min(max_msgs, lane.waiting()))
             try:
-                msgs = await lane.sub.fetch(want, timeout=0.25)
+                msgs = await lane.sub.fetch(want, timeout=FETCH_TIMEOUT_S)
             except (NatsTimeout, TimeoutError):
                 lane.pending = 0  # someone else took it; the periodic refresh will correct if not
                 continue
