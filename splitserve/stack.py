@@ -1,7 +1,8 @@
 """The embedded stack behind ``splitserve up``: NATS plus every service, each a separate OS process.
 
-The supervisor starts nats-server (unless given a URL), then the router, the cache-index service and the
-prefill and decode workers; waits until each one's heartbeat says ``ready``; restarts a service that dies
+The supervisor starts nats-server (unless given a URL), then the router replicas (``routers``: router-0 ..
+router-{N-1}, each its own process sharing the durable queue), the cache-index service and the prefill and
+decode workers; waits until each one's heartbeat says ``ready``; restarts a service that dies
 (with exponential backoff, as an orchestrator would); and on SIGINT/SIGTERM stops them all, leaving no
 process behind. Every child also gets PR_SET_PDEATHSIG so that even a SIGKILLed supervisor takes its
 children down with it.
@@ -40,6 +41,7 @@ from splitserve.tenancy.natsauth import StackAuth
 class StackConfig:
     prefill: int = 1
     decode: int = 1
+    routers: int = 1  # router replicas (router-0 ..): they share the queue, the request registry and quotas
     engine: str = "hf"
     model: str | None = None
     dtype: str = "float32"
@@ -153,13 +155,13 @@ class Stack:
         # Colocated: there is nowhere else to send a prompt, so no stall limit (decoders chunk instead).
         router_extra = ["--max-stall-ms", "0" if c.colocated else str(c.max_stall_ms),
                         "--long-prompt-tokens", str(c.long_prompt_tokens)]
-        out = [Child("router-0", "router", py + ["services.router", "--worker-id", "router-0", "--strategy",
-                                                 c.strategy, "--disagg-threshold",
-                                                 str(10**9 if c.colocated else c.disagg_threshold), *router_extra,
-                                                 *(["--model", c.model] if c.model else []), *tenants,
-                                                 *common],
-                     self.logs / "router-0.log"),
-               Child("cache-index-0", "cache_index", py + ["services.cache_index", "--worker-id", "cache-index-0",
+        out = [Child(f"router-{i}", "router", py + ["services.router", "--worker-id", f"router-{i}", "--strategy",
+                                                    c.strategy, "--disagg-threshold",
+                                                    str(10**9 if c.colocated else c.disagg_threshold), *router_extra,
+                                                    *(["--model", c.model] if c.model else []), *tenants,
+                                                    *common],
+                     self.logs / f"router-{i}.log") for i in range(max(1, c.routers))]
+        out += [Child("cache-index-0", "cache_index", py + ["services.cache_index", "--worker-id", "cache-index-0",
                                                            *common], self.logs / "cache-index-0.log")]
         for i in range(c.prefill):
             name = f"prefill-{i}"

@@ -31,6 +31,8 @@ def main(
                                            "long after its router stops keeping it alive"),
     long_prompt_tokens: int = typer.Option(2048, help="prompts this long decode on the 'long' context pool "
                                            "when one is running (decoders started with --pool long)"),
+    request_ttl_s: float = typer.Option(900.0, help="how long the request registry (SS_REQUESTS) remembers a "
+                                        "request id: longer than any request waits or runs"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     from services.router.service import RouterService
@@ -40,6 +42,7 @@ def main(
                               max_stall_ms=max_stall_ms if max_stall_ms > 0 else None,
                               decoder_prefill_tps=decoder_prefill_tps, tenants_file=tenants, queue=queue,
                               queue_ack_wait_s=queue_ack_wait_s, long_prompt_tokens=long_prompt_tokens,
+                              request_ttl_s=request_ttl_s,
                               log_level=log_level))
 
 

@@ -12,7 +12,15 @@ worker dies the caller gets a terminal ``worker_died`` error instead of a hang, 
 dies its requests are redelivered: one still running is adopted, one already finished is dropped, the
 rest are dispatched again.
 
-``--no-queue`` dispatches at intake instead (no durability, no fair share), for comparison.
+Several routers (``splitserve up --routers N``) share one behaviour through JetStream
+(``services.router.shared``): a request id is registered once cluster-wide at intake and every state change
+(dispatched, ended, adopted) is a compare-and-set on its record, so it runs at most once and ends with exactly
+one terminal message whichever replica a client (re-)sends it to; quota usage is one compare-and-set snapshot
+per tenant, so limits are global; each router publishes the virtual tokens it charged (fair share) and the
+requests it just dispatched (the other routers' pending-load ledgers count them until the workers report them).
+
+``--no-queue`` dispatches at intake instead (no durability, no fair share, one router's own quotas), for
+comparison.
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import os
 import time
+import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -35,7 +45,9 @@ from proto import (
     Accepted,
     CancelRequest,
     DecodeJob,
+    DispatchNote,
     ErrorCode,
+    FairShareReport,
     GenerateRequest,
     Heartbeat,
     KvEventBatch,
@@ -44,6 +56,7 @@ from proto import (
     QueueReport,
     QueueReportRequest,
     RequestFinished,
+    RequestRecord,
     Route,
     StreamError,
     StreamFinal,
@@ -54,6 +67,7 @@ from proto import (
     now_ms,
 )
 from services.common.resync import resync_index
+from services.router.shared import RequestRegistry, SharedQuota
 from services.router.workqueue import WorkQueue
 from splitserve.cache import events as cache_events
 from splitserve.cache.index import PrefixIndex
@@ -76,6 +90,9 @@ REGISTRY_WARMUP_S = 1.5  # three heartbeat intervals
 # back: what it published meanwhile was flushed then), while that worker kept heartbeating, never reached it:
 # the NATS node between them died with it in flight. Workers list a request until its end is stored.
 LOST_JOB_S = 2.0
+FAIR_REPORT_S = 0.25  # how often a router tells the others what it charged each tenant
+RECONCILE_S = 10.0  # how often a router checks old quota reservations against the request registry
+RECONCILE_AFTER_S = 30.0  # reservations younger than this are never questioned (their intake may be running)
 
 
 class _Rate:
@@ -107,6 +124,8 @@ class Inflight:
     queue_msg: Msg | None = None  # its durable queue message, acked when the request ends
     seen: bool = False  # a heartbeat of its worker listed it: the job reached the worker
     charged: int = 0  # tokens the fair scheduler charged at dispatch (settled at finish)
+    record: RequestRecord | None = None  # its registry record (queue mode) and that record's revision
+    record_rev: int = 0
 
 
 class RouterService(Service):
@@ -129,6 +148,7 @@ class RouterService(Service):
         queue: bool = True,
         queue_ack_wait_s: float = 30.0,
         long_prompt_tokens: int = 2048,
+        request_ttl_s: float = 900.0,
         **kw: object,
     ) -> None:
         super().__init__(worker_id, nats_url, **kw)  # type: ignore[arg-type]
@@ -156,6 +176,10 @@ class RouterService(Service):
         self._accepted_meta: dict[str, tuple[str, str, int]] = {}  # rid -> (tenant, stream subject, prompt len)
         self._rates: dict[tuple[str, str], _Rate] = {}
         self._started = time.monotonic()  # reset at start(): setup may take long
+        self.request_ttl_s = request_ttl_s
+        self.incarnation = uuid.uuid4().hex[:12]  # this process, in fair-share reports
+        self._remote_fair: dict[tuple[str, str], dict[str, float]] = {}  # (router, incarnation) -> its charges
+        self._claiming: set[str] = set()  # request ids this router is claiming/dispatching now
 
     async def setup(self) -> None:
         from services.router.tokenize import PromptTokenizer
@@ -169,6 +193,11 @@ class RouterService(Service):
 
         self.wq = WorkQueue(self.b, ack_wait_s=self.queue_ack_wait_s)
         await self.wq.setup()  # also the usage stream, which --no-queue keeps too
+        if self.use_queue:
+            self.requests = RequestRegistry(js, ttl_s=self.request_ttl_s, replicas=replicas_for(self.b.nc))
+            await self.requests.setup()
+            self.shared_quota = SharedQuota(js, self.tenants, self.quota, replicas=replicas_for(self.b.nc))
+            await self.shared_quota.setup()
         self.tokenizer = await asyncio.to_thread(PromptTokenizer, self.model)
         self.make_policy()
 
@@ -195,9 +224,13 @@ class RouterService(Service):
         )
         b.spawn(self._reaper())
         if self.use_queue:
+            await b.subscribe(Subjects.ROUTED_ALL, DispatchNote, self.on_dispatch_note)
+            await b.subscribe(Subjects.FAIR_ALL, FairShareReport, self.on_fair_report)
             b.spawn(self._dispatch_loop())
             b.spawn(self._keepalive())
             b.spawn(self._redelivery_sweep())
+            b.spawn(self._fair_reports())
+            b.spawn(self._reconcile_quota())
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(active_seqs=len(self.inflight))
@@ -228,24 +261,53 @@ class RouterService(Service):
             self.b.spawn(resync_index(self.b, self.index, batch.worker_id, self.log))
 
     async def on_finished(self, ev: RequestFinished, _: Msg) -> None:
+        # Every router hears every RequestFinished; only the request's owner (the router holding it in
+        # flight) settles it, so its quota and registry record are settled once.
         inf = self.inflight.pop(ev.request_id, None)
         used = (ev.usage.prompt_tokens + ev.usage.completion_tokens) if ev.usage is not None else None
         if inf is not None:
-            await self._retire(inf, used)
+            await self._retire(inf, used, ev.status)
         self.policy.release(ev.request_id)
         self._accepted_meta.pop(ev.request_id, None)
-        self.quota.finish(ev.tenant, ev.request_id, used, time.monotonic())
+        if not self.use_queue:
+            self.quota.finish(ev.tenant, ev.request_id, used, time.monotonic())
 
-    async def _retire(self, inf: Inflight, used_tokens: int | None) -> None:
-        """The request ended (any outcome): ack its queue message and settle its fair-share charge."""
+    async def _retire(self, inf: Inflight, used_tokens: int | None, status: str = "error") -> None:
+        """The request ended (any outcome): settle its fair-share charge, its registry record and quota, then
+        ack its queue message (after: a router dying in between leaves a redelivery that finds it finished)."""
         if inf.charged:
             self.fair.settle(inf.tenant, inf.charged, used_tokens if used_tokens is not None else 0)
             inf.charged = 0
-        if inf.queue_msg is not None:
-            msg, inf.queue_msg = inf.queue_msg, None
-            with contextlib.suppress(Exception):
-                await msg.ack()
+        msg, inf.queue_msg = inf.queue_msg, None
         self._dispatch_wake.set()
+        if not self.use_queue:
+            if msg is not None:
+                with contextlib.suppress(Exception):
+                    await msg.ack()
+            return
+
+        async def settle() -> None:
+            if inf.record is not None:
+                await self._settle(inf.record, inf.record_rev, status, used_tokens)
+            if msg is not None:
+                with contextlib.suppress(Exception):
+                    await msg.ack()
+
+        self.b.spawn(settle())
+
+    async def _settle(self, rec: RequestRecord, rev: int, status: str, used_tokens: int | None) -> None:
+        """Mark the request's record ended (unless another router took it over meanwhile) and release its
+        quota reservation (idempotent: a router that adopted it may do the same)."""
+        try:
+            ended = rec.model_copy(update={"state": "ended", "status": status, "used_tokens": used_tokens})
+            if rev and await self.requests.cas(ended, rev) is None:
+                got = await self.requests.get(rec.request_id)
+                if got is not None and got[0].state != "ended" and got[0].owner in (None, self.worker_id):
+                    await self.requests.cas(ended, got[1])
+            if self.quota.has_dynamic_limits(rec.tenant):
+                await self.shared_quota.finish(rec.tenant, rec.request_id, used_tokens)
+        except Exception as exc:  # NATS away: the reconciliation sweep releases the reservation later
+            self.log.warning("settle_failed", request_id=rec.request_id, error=str(exc))
 
     async def _reaper(self) -> None:
         while True:
@@ -323,16 +385,43 @@ class RouterService(Service):
     async def on_cancel(self, c: CancelRequest, _: Msg) -> None:
         # A dispatched request is stopped by its worker; one still waiting in the queue is ended here, now,
         # and skipped when it reaches dispatch.
-        if c.request_id in self.inflight or c.request_id not in self._accepted_meta:
+        if c.request_id in self.inflight:
             return
-        await self._end_queued(c.request_id, "cancelled", c.reason)
+        if not self.use_queue:
+            if c.request_id in self._accepted_meta:
+                await self._end_queued(c.request_id, "cancelled", c.reason)
+            return
+        # Every router hears the cancel and any may hold the request's queue message: the one whose
+        # compare-and-set moves the record from queued to ended sends the final; dispatch can no longer win it.
+        await self._end_if_queued(c.request_id, "cancelled", c.reason)
+
+    async def _end_if_queued(self, rid: str, reason: str, why: str) -> None:
+        try:
+            got = await self.requests.get(rid)
+            while got is not None and got[0].state == "queued":
+                rec, rev = got
+                ended = rec.model_copy(update={"state": "ended", "status": reason,
+                                               "used_tokens": rec.prompt_tokens})
+                if await self.requests.cas(ended, rev) is not None:
+                    self._accepted_meta[rid] = (rec.tenant, rec.stream_subject, rec.prompt_tokens)
+                    await self._end_queued(rid, reason, why)
+                    if self.quota.has_dynamic_limits(rec.tenant):
+                        await self.shared_quota.finish(rec.tenant, rid, rec.prompt_tokens)
+                    return
+                got = await self.requests.get(rid)
+        except Exception as exc:
+            self.log.warning("end_queued_failed", request_id=rid, reason=reason, error=str(exc))
 
     async def _expire_queued(self) -> None:
         now = now_ms()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _tenant, rid = heapq.heappop(self._deadlines)
             if rid in self._accepted_meta and rid not in self.inflight:
-                await self._end_queued(rid, "expired", "the deadline passed while the request waited in the queue")
+                why = "the deadline passed while the request waited in the queue"
+                if self.use_queue:
+                    self.b.spawn(self._end_if_queued(rid, "expired", why))
+                else:
+                    await self._end_queued(rid, "expired", why)
 
     async def _end_queued(self, rid: str, reason: str, why: str) -> None:
         tenant, stream_subject, prompt_tokens = self._accepted_meta.pop(rid)
@@ -441,61 +530,132 @@ class RouterService(Service):
             return
         now = time.monotonic()
         queued = self.wq.pending_by_tenant().get(req.tenant, 0)
+        if self.use_queue:
+            await self._intake_queued(req, msg, sp, ids, queued)
+            return
         refusal = self.quota.check(req.tenant, len(ids), req.sampling.max_tokens, queued, now)
         if refusal is not None:
             sp.set_attribute("quota.limit", refusal.limit or "")
             await self._reject(req, msg, _REFUSAL_CODES[refusal.code], refusal.message,
                                retry_after_s=refusal.retry_after_s, limit=refusal.limit)
             return
-        if not self.use_queue:
-            await self._route(req, ids, msg, sp)
-            self.quota.admit(req.tenant, req.request_id, len(ids), req.sampling.max_tokens, now)
+        await self._route(req, ids, msg, sp)
+        self.quota.admit(req.tenant, req.request_id, len(ids), req.sampling.max_tokens, now)
+
+    async def _intake_queued(self, req: GenerateRequest, msg: Msg, sp: trace.Span, ids: list[int],
+                             queued: int) -> None:
+        """Reserve quota (global), register the request id (create-only: once cluster-wide), store it in the
+        queue, answer Accepted. A step that fails undoes the ones before it, so a refused request holds
+        nothing."""
+        rid, tenant = req.request_id, req.tenant
+        refusal = self.quota.check_static(tenant, len(ids), req.sampling.max_tokens)
+        reserved = False
+        if refusal is None and self.quota.has_dynamic_limits(tenant):
+            try:
+                refusal, reserved = await self.shared_quota.admit(tenant, rid, len(ids), req.sampling.max_tokens,
+                                                                  queued)
+            except Exception as exc:
+                # Usage cannot be read or written (JetStream away, or a partition): refuse rather than admit on
+                # a guess; the caller may retry.
+                await self._reject(req, msg, ErrorCode.BUSY, f"tenant usage is unreachable, so the request "
+                                   f"cannot be admitted: {exc}", retry_after_s=1.0)
+                return
+        if refusal is not None:
+            sp.set_attribute("quota.limit", refusal.limit or "")
+            await self._reject(req, msg, _REFUSAL_CODES[refusal.code], refusal.message,
+                               retry_after_s=refusal.retry_after_s, limit=refusal.limit)
             return
-        q = QueuedRequest(request=req, prompt_token_ids=ids, router_id=self.worker_id)
+        rec = RequestRecord(request_id=rid, tenant=tenant, state="queued", stream_subject=req.stream_subject,
+                            prompt_tokens=len(ids), max_tokens=req.sampling.max_tokens,
+                            deadline_ms=req.deadline_ms, accepted_by=self.worker_id)
         try:
-            fresh = await self.wq.enqueue(q)
-        except PayloadTooLarge as exc:
-            await self._reject(req, msg, ErrorCode.PAYLOAD_TOO_LARGE, str(exc))
-            return
+            rev = await self.requests.create(rec)
         except Exception as exc:
-            # Not stored, so not accepted: the caller may retry (the queue stream full or unreachable).
-            await self._reject(req, msg, ErrorCode.BUSY, f"the request queue did not take the request: {exc}",
+            await self._unreserve(tenant, rid, reserved)
+            await self._reject(req, msg, ErrorCode.BUSY, f"the request registry did not take the request: {exc}",
                                retry_after_s=1.0)
             return
-        if not fresh:
-            # The queue already holds (or held) this request id: a re-send, to another router or after a
-            # restart. Still queued or running: accepted again, it streams on the same subject. Already ended:
-            # running it again would serve it twice, so say so.
-            done = await self.wq.finished_record(req.tenant, req.request_id)
-            if done is not None:
-                await self._reject(req, msg, ErrorCode.BAD_REQUEST,
-                                   f"request {req.request_id} already ended ({done.status}); use a new request id")
-                return
-            log.info("duplicate_request_reattached")
-            await self.b.respond(msg, Accepted(request_id=req.request_id, router_id=self.worker_id,
-                                               prompt_tokens=len(ids)))
+        if rev is None:
+            # The id is known cluster-wide: a re-send, to this or another router, or after a restart.
+            await self._unreserve(tenant, rid, reserved)
+            await self._reattach(req, msg, ids)
             return
-        self.quota.admit(req.tenant, req.request_id, len(ids), req.sampling.max_tokens, now)
-        self._accepted_meta[req.request_id] = (req.tenant, req.stream_subject, len(ids))
+        q = QueuedRequest(request=req, prompt_token_ids=ids, router_id=self.worker_id, record_revision=rev)
+        try:
+            await self.wq.enqueue(q)
+        except Exception as exc:
+            # Not stored, so not accepted: the caller may retry (the queue stream full or unreachable).
+            await self.requests.delete(rid, rev)
+            await self._unreserve(tenant, rid, reserved)
+            if isinstance(exc, PayloadTooLarge):
+                await self._reject(req, msg, ErrorCode.PAYLOAD_TOO_LARGE, str(exc))
+            else:
+                await self._reject(req, msg, ErrorCode.BUSY, f"the request queue did not take the request: {exc}",
+                                   retry_after_s=1.0)
+            return
+        self._accepted_meta[rid] = (tenant, req.stream_subject, len(ids))
         if req.deadline_ms is not None:
-            heapq.heappush(self._deadlines, (req.deadline_ms, req.tenant, req.request_id))
-        self._rate(req.tenant, "accepted").add(now)
+            heapq.heappush(self._deadlines, (req.deadline_ms, tenant, rid))
+        self._rate(tenant, "accepted").add(time.monotonic())
         tracing.set_attrs(sp, prompt_tokens=len(ids), queued_ahead=queued)
-        log.info("queued", prompt_tokens=len(ids), queued_ahead=queued)
-        await self.b.respond(msg, Accepted(request_id=req.request_id, router_id=self.worker_id,
-                                           prompt_tokens=len(ids)))
+        self.log.info("queued", request_id=rid, tenant=tenant, prompt_tokens=len(ids), queued_ahead=queued)
+        await self.b.respond(msg, Accepted(request_id=rid, router_id=self.worker_id, prompt_tokens=len(ids)))
         self._dispatch_wake.set()
+
+    async def _unreserve(self, tenant: str, rid: str, reserved: bool) -> None:
+        if reserved:
+            with contextlib.suppress(Exception):  # else the reconciliation sweep releases it
+                await self.shared_quota.finish(tenant, rid, None)
+
+    async def _reattach(self, req: GenerateRequest, msg: Msg, ids: list[int]) -> None:
+        """A re-sent request id: still queued or running, it is accepted again (it keeps streaming on the same
+        subject); already ended, running it again would serve it twice, so say so."""
+        rid = req.request_id
+        try:
+            got = await self.requests.get(rid)
+        except Exception as exc:
+            await self._reject(req, msg, ErrorCode.BUSY, f"the request registry is unreachable: {exc}",
+                               retry_after_s=1.0)
+            return
+        if got is None:  # its first intake failed and let it go a moment ago
+            await self._reject(req, msg, ErrorCode.BUSY, f"request {rid} is being admitted elsewhere; retry",
+                               retry_after_s=0.5)
+            return
+        rec, rev = got
+        if rec.tenant != req.tenant:
+            await self._reject(req, msg, ErrorCode.BAD_REQUEST, f"request id {rid} is in use by another tenant")
+            return
+        if rec.state == "ended":
+            await self._reject(req, msg, ErrorCode.BAD_REQUEST,
+                               f"request {rid} already ended ({rec.status}); use a new request id")
+            return
+        if rec.state == "queued":
+            # Its router may have died between registering and queueing it: store it again. The queue's
+            # Nats-Msg-Id dedupe makes this a no-op when it is there; a second copy is harmless anyway (dispatch
+            # takes a request only by moving its record from queued to dispatched).
+            with contextlib.suppress(Exception):
+                await self.wq.enqueue(QueuedRequest(request=req, prompt_token_ids=ids, router_id=rec.accepted_by,
+                                                    accepted_ms=rec.accepted_ms,
+                                                    record_revision=rev))
+        self.log.info("duplicate_request_reattached", request_id=rid, tenant=req.tenant, state=rec.state,
+                      owner=rec.owner)
+        await self.b.respond(msg, Accepted(request_id=rid, router_id=self.worker_id, prompt_tokens=len(ids)))
 
     # --- dispatch ------------------------------------------------------------------------------------
     def free_slots(self, now: float) -> int:
         """Decode slots this router may fill now: each live decoder's batch size (plus a little, so a worker
-        never idles between one request finishing and the next arriving) less what it runs or was sent."""
+        never idles between one request finishing and the next arriving) less what it runs or was sent (by this
+        router or, per their dispatch notes, by the others) that its heartbeat does not show yet."""
         mine: dict[str, int] = {}
         for inf in self.inflight.values():
             mine[inf.decoder] = mine.get(inf.decoder, 0) + 1
-        return sum(decoder_free_slots(hb.load.max_seqs, hb.load.active_seqs + hb.load.queued_requests,
-                                      mine.get(hb.worker_id, 0), hb.pool)
-                   for hb in self.registry.live("decode", now))
+        free = 0
+        for hb in self.registry.live("decode", now):
+            # other routers' dispatches this decoder's heartbeat does not show yet (their DispatchNotes)
+            unreported = self.policy.pending.pending_for(hb.worker_id)[0] if self.policy.pending else 0
+            free += decoder_free_slots(hb.load.max_seqs, hb.load.active_seqs + hb.load.queued_requests + unreported,
+                                       mine.get(hb.worker_id, 0), hb.pool)
+        return free
 
     async def _dispatch_loop(self) -> None:
         last_refresh = 0.0
@@ -527,8 +687,9 @@ class RouterService(Service):
             if not qmsgs:
                 continue
             progressed = True
-            for qmsg in qmsgs:
-                await self._dispatch(qmsg)
+            # Each dispatch claims its request with one compare-and-set on the registry: the batch's round
+            # trips overlap.
+            await asyncio.gather(*(self._dispatch(qmsg) for qmsg in qmsgs))
         return progressed
 
     async def _dispatch(self, qmsg: Msg) -> None:
@@ -552,58 +713,128 @@ class RouterService(Service):
             if rid in self.dropped:
                 await qmsg.ack()
                 return
-            # Delivered before (its router died), or accepted by another router (or this one before a restart,
-            # which may have ended it while queued): check whether it already ended or still runs.
-            if (delivered > 1 or rid not in self._accepted_meta) and await self._recover(q, qmsg, sp):
+            if rid in self._claiming:  # a second copy of a request this router is dispatching right now
                 return
-            if req.deadline_ms is not None and now_ms() >= req.deadline_ms:
-                self._accepted_meta.setdefault(rid, (req.tenant, req.stream_subject, len(q.prompt_token_ids)))
-                await self._end_queued(rid, "expired", "the deadline passed while the request waited in the queue")
-                await qmsg.ack()
-                return
-            self._rate(req.tenant, "dispatched").add(time.monotonic())
-            inf = await self._route(req, list(q.prompt_token_ids), None, sp, queue_msg=qmsg)
-            if inf is None:
-                await qmsg.ack()  # answered with a terminal error
+            self._claiming.add(rid)
+            try:
+                await self._dispatch_claimed(q, qmsg, sp)
+            finally:
+                self._claiming.discard(rid)
 
-    async def _recover(self, q: QueuedRequest, qmsg: Msg, sp: trace.Span) -> bool:
-        """A request this router did not accept, or a redelivered one (its previous router stopped keeping
-        it): True if handled here (it already ended, or still runs on a worker and is adopted, or failed too
-        often), False to dispatch it."""
+    async def _dispatch_claimed(self, q: QueuedRequest, qmsg: Msg, sp: trace.Span) -> None:
         req = q.request
         rid = req.request_id
-        # A redelivered request is checked against the workers' heartbeats before it is run again: a router
-        # that just started first hears every live worker a few times.
-        warmup = REGISTRY_WARMUP_S - (time.monotonic() - self._started)
-        if warmup > 0:
-            await asyncio.sleep(warmup)
+        claimed = await self._claim(q, qmsg, sp)
+        if claimed is None:
+            return
+        rec, rev = claimed
+        if req.deadline_ms is not None and now_ms() >= req.deadline_ms:
+            self._accepted_meta.setdefault(rid, (req.tenant, req.stream_subject, len(q.prompt_token_ids)))
+            await self._end_queued(rid, "expired", "the deadline passed while the request waited in the queue")
+            await self._settle(rec, rev, "expired", len(q.prompt_token_ids))
+            await qmsg.ack()
+            return
+        self._rate(req.tenant, "dispatched").add(time.monotonic())
+        inf = await self._route(req, list(q.prompt_token_ids), None, sp, queue_msg=qmsg, record=(rec, rev))
+        if inf is None:
+            await qmsg.ack()  # answered with a terminal error (and settled)
+
+    def _owner_alive(self, rec: RequestRecord) -> bool:
+        if rec.owner is None:
+            return False
+        for hb in self.registry.live("router", time.monotonic()):
+            if hb.worker_id == rec.owner:
+                return rec.owner_pid is None or hb.pid == rec.owner_pid
+        return False
+
+    async def _claim(self, q: QueuedRequest, qmsg: Msg, sp: trace.Span) -> tuple[RequestRecord, int] | None:
+        """Win the right to run this request: move its registry record to ``dispatched`` by this router, with
+        compare-and-set. Returns the record and its revision, or None when it is not this router's to run (it
+        ended, another live router runs it, or it was handled here: adopted from a worker, failed)."""
+        req = q.request
+        rid = req.request_id
+        mine = RequestRecord(request_id=rid, tenant=req.tenant, state="dispatched", stream_subject=req.stream_subject,
+                             prompt_tokens=len(q.prompt_token_ids), max_tokens=req.sampling.max_tokens,
+                             accepted_ms=q.accepted_ms, deadline_ms=req.deadline_ms, accepted_by=q.router_id,
+                             owner=self.worker_id, owner_pid=os.getpid())
+        rev: int | None = q.record_revision
+        if rev:  # the usual case, one round trip: the record is still as intake left it
+            new_rev = await self.requests.cas(mine, rev)
+            if new_rev is not None:
+                return mine, new_rev
+        for _ in range(8):
+            got = await self.requests.get(rid)
+            if got is None:
+                # No record (it outlived the registry's TTL, or an older router queued it): register it now.
+                new_rev = await self.requests.create(mine)
+                if new_rev is not None:
+                    if self.quota.has_dynamic_limits(req.tenant):
+                        await self.shared_quota.admit(req.tenant, rid, len(q.prompt_token_ids),
+                                                      req.sampling.max_tokens, 0)
+                    return mine, new_rev
+                continue
+            rec, rev = got
+            if rec.state == "queued":
+                new_rev = await self.requests.cas(mine, rev)
+                if new_rev is not None:
+                    return mine, new_rev
+                continue
+            if rec.state == "ended":
+                self.log.info("queued_request_already_ended", request_id=rid, status=rec.status)
+                await self._settle(rec, 0, rec.status or "ok", rec.used_tokens)  # its quota, if that was missed
+                await qmsg.ack()
+                return None
+            # Dispatched already. By a live router (this message is a second copy, or its owner missed a
+            # keep-alive): leave it to that router, un-acked. By a dead one: recover it here.
+            warmup = REGISTRY_WARMUP_S - (time.monotonic() - self._started)
+            if warmup > 0:
+                await asyncio.sleep(warmup)  # a router that just started first hears every live router
+            if self._owner_alive(rec) and not (rec.owner == self.worker_id and rec.owner_pid == os.getpid()):
+                self.log.info("request_held_by_live_router", request_id=rid, owner=rec.owner)
+                return None
+            return await self._recover(q, qmsg, sp, rec, rev, mine)
+        self.log.warning("claim_contended", request_id=rid)
+        return None
+
+    async def _recover(self, q: QueuedRequest, qmsg: Msg, sp: trace.Span, rec: RequestRecord, rev: int,
+                       mine: RequestRecord) -> tuple[RequestRecord, int] | None:
+        """A request whose router died after dispatching it: it already ended (settle it), or still runs on a
+        worker (adopt it), or failed too often; else dispatch it again (return the record, now ours)."""
+        req = q.request
+        rid = req.request_id
         done = await self.wq.finished_record(req.tenant, rid)
         if done is not None:
-            self.log.info("redelivered_already_finished", status=done.status)
+            self.log.info("redelivered_already_finished", request_id=rid, status=done.status)
+            used = (done.usage.prompt_tokens + done.usage.completion_tokens) if done.usage is not None else None
+            await self._settle(rec, rev, done.status, used)
             await qmsg.ack()
-            return True
+            return None
+        new_rev = await self.requests.cas(mine, rev)  # this router owns it from now on
+        if new_rev is None:
+            self.log.info("recovery_lost_race", request_id=rid)
+            return None
         now = time.monotonic()
         for hb in self.registry.live("decode", now) + self.registry.live("prefill", now):
             if rid in hb.active_requests:
-                self.log.info("redelivered_adopted", holder=hb.worker_id)
+                self.log.info("redelivered_adopted", request_id=rid, holder=hb.worker_id, previous_owner=rec.owner)
                 tracing.set_attrs(sp, adopted_from=hb.worker_id)
                 is_decoder = hb.role == "decode"
                 self.inflight[rid] = Inflight(
                     request_id=rid, tenant=req.tenant, stream_subject=req.stream_subject,
                     decoder=hb.worker_id if is_decoder else "", prefiller=None if is_decoder else hb.worker_id,
-                    holder=hb.worker_id, queue_msg=qmsg)
-                self.quota.admit(req.tenant, rid, len(q.prompt_token_ids), req.sampling.max_tokens, now)
-                return True
+                    holder=hb.worker_id, queue_msg=qmsg, record=mine, record_rev=new_rev)
+                return None
         if int(qmsg.metadata.num_delivered) > MAX_DELIVERIES:
             self._accepted_meta.pop(rid, None)
             await self._publish_failure(rid, req.tenant, req.stream_subject, ErrorCode.INTERNAL,
                                         f"the request was handed to a router {MAX_DELIVERIES} times and none "
                                         "finished dispatching it")
+            await self._settle(mine, new_rev, "error", None)
             await qmsg.ack()
-            return True
-        self.log.info("recovered_dispatching", deliveries=int(qmsg.metadata.num_delivered))
-        self.quota.admit(req.tenant, rid, len(q.prompt_token_ids), req.sampling.max_tokens, now)
-        return False
+            return None
+        self.log.info("recovered_dispatching", request_id=rid, deliveries=int(qmsg.metadata.num_delivered),
+                      previous_owner=rec.owner)
+        return mine, new_rev
 
     async def _redelivery_sweep(self) -> None:
         """Pick up requests whose router died. Dispatch pulls only where requests wait undelivered, so a lane
@@ -634,7 +865,8 @@ class RouterService(Service):
                         await inf.queue_msg.in_progress()
 
     async def _route(self, req: GenerateRequest, ids: list[int], msg: Msg | None, sp: trace.Span,
-                     queue_msg: Msg | None = None) -> Inflight | None:
+                     queue_msg: Msg | None = None,
+                     record: tuple[RequestRecord, int] | None = None) -> Inflight | None:
         """Decide where the request runs and hand it to the worker(s). With ``msg`` (no queue), answers the
         caller's request; otherwise a failure goes to the request's stream subject."""
         log = self.log.bind(request_id=req.request_id, tenant=req.tenant)
@@ -651,6 +883,8 @@ class RouterService(Service):
                 self._accepted_meta.pop(req.request_id, None)
                 await self._publish_failure(req.request_id, req.tenant, req.stream_subject, ErrorCode.NO_WORKERS,
                                             str(exc))
+                if record is not None:
+                    await self._settle(record[0], record[1], "error", None)
             return None
         if msg is not None:
             await self.b.respond(msg, Accepted(request_id=req.request_id, router_id=self.worker_id,
@@ -660,16 +894,27 @@ class RouterService(Service):
             request_id=req.request_id, tenant=req.tenant, prompt_token_ids=ids, sampling=req.sampling,
             stream_subject=req.stream_subject, route=route, decoder_id=decision.decoder,
             prefill_worker=decision.prefiller, created_ms=req.created_ms, routed_ms=now_ms(),
-            deadline_ms=req.deadline_ms, decision=decision.to_dict(), stream=req.stream,
+            deadline_ms=req.deadline_ms, decision={**decision.to_dict(), "router": self.worker_id},
+            stream=req.stream,
         )
         charge = len(ids) + req.sampling.max_tokens
         inf = Inflight(request_id=req.request_id, tenant=req.tenant, stream_subject=req.stream_subject,
                        decoder=decision.decoder, prefiller=decision.prefiller,
                        holder=decision.prefiller or decision.decoder, queue_msg=queue_msg, charged=charge)
+        if record is not None:
+            inf.record, inf.record_rev = record
         self.fair.charge(req.tenant, charge)
         self.inflight[req.request_id] = inf
         inf.trace_ctx = sp.get_span_context() if sp.get_span_context().is_valid else None
-        ddict = decision.to_dict()
+        ddict = job.decision
+        if self.use_queue:
+            # The other routers count it on these workers until the workers' heartbeats do.
+            ent = self.policy.pending_entries(decision)
+            with contextlib.suppress(Exception):
+                await self.b.publish(Subjects.routed(self.worker_id), DispatchNote(
+                    router_id=self.worker_id, request_id=req.request_id, decoder=ent[0][0],
+                    decoder_tokens=ent[0][1], blocks=ent[0][2], prefiller=ent[1][0] if len(ent) > 1 else None,
+                    prefiller_tokens=ent[1][1] if len(ent) > 1 else 0))
         # The routing decision, flattened (scalars) and whole (JSON), so a waterfall can show why.
         tracing.set_attrs(sp, prompt_tokens=len(ids), route=str(route.value), decoder=decision.decoder,
                           prefiller=decision.prefiller, decision_json=ddict)
@@ -684,6 +929,56 @@ class RouterService(Service):
         except PayloadTooLarge as exc:
             await self._fail(inf, ErrorCode.PAYLOAD_TOO_LARGE, str(exc))
         return inf
+
+    # --- sharing with the other routers ----------------------------------------------------------------
+    async def on_dispatch_note(self, note: DispatchNote, _: Msg) -> None:
+        if note.router_id == self.worker_id:
+            return
+        entries = [(note.decoder, note.decoder_tokens, note.blocks)]
+        if note.prefiller is not None:
+            entries.append((note.prefiller, note.prefiller_tokens, 0))
+        self.policy.on_remote_routed(note.request_id, entries, time.monotonic())
+
+    async def on_fair_report(self, rep: FairShareReport, _: Msg) -> None:
+        if rep.incarnation == self.incarnation:
+            return
+        # Keyed by process: a restarted router reports from zero, and the tokens its previous process charged
+        # still count.
+        self._remote_fair[(rep.router_id, rep.incarnation)] = rep.virtual_tokens
+        total: dict[str, float] = {}
+        for counters in self._remote_fair.values():
+            for t, v in counters.items():
+                total[t] = total.get(t, 0.0) + v
+        self.fair.set_remote(total)
+
+    async def _fair_reports(self) -> None:
+        last: dict[str, float] | None = None
+        while True:
+            await asyncio.sleep(FAIR_REPORT_S)
+            virtual = self.fair.virtual()
+            if virtual == last:
+                continue
+            with contextlib.suppress(Exception):
+                await self.b.publish(Subjects.fair(self.worker_id), FairShareReport(
+                    router_id=self.worker_id, incarnation=self.incarnation, virtual_tokens=virtual))
+                last = virtual
+
+    async def _reconcile_quota(self) -> None:
+        """Release reservations nobody will finish: a router that died between reserving quota and registering
+        the request, or between ending a request and releasing its quota, left them behind."""
+        while True:
+            await asyncio.sleep(RECONCILE_S)
+            for tenant in self.shared_quota.tenants():
+                for rid in self.quota.stale(tenant, RECONCILE_AFTER_S, time.time())[:256]:
+                    try:
+                        got = await self.requests.get(rid)
+                        if got is None or got[0].state == "ended":
+                            self.log.info("quota_reservation_reconciled", request_id=rid, tenant=tenant,
+                                          record="missing" if got is None else "ended")
+                            await self.shared_quota.finish(tenant, rid, got[0].used_tokens if got else None)
+                    except Exception as exc:
+                        self.log.warning("quota_reconcile_failed", tenant=tenant, error=str(exc))
+                        break
 
     # --- operators -----------------------------------------------------------------------------------
     async def on_queue_report(self, _: QueueReportRequest, msg: Msg) -> None:

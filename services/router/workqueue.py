@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from dataclasses import dataclass
 
@@ -45,6 +46,40 @@ from splitserve.runtime.jetstream import ensure_stream, replicas_for
 log = structlog.get_logger("splitserve.router.queue")
 
 NUM_CLASSES = 3  # priority 0-3 -> p0, 4-7 -> p1, 8-9 -> p2
+PULL_TIMEOUT_S = 2.0  # a no-wait pull is answered at once; this only bounds a lost answer
+
+
+async def pull_now(sub: JetStreamContext.PullSubscription, want: int) -> list[Msg]:
+    """Up to ``want`` messages that are waiting now, never waiting for more: one no-wait pull request (the server
+    answers with what it has, then "404 no messages"). nats-py's ``fetch`` sends its pull with an expiry, which
+    the server holds open until that many messages arrive or it expires: with several routers a lane's pending
+    count is often stale (another router took what was there), and every such fetch blocked for its whole
+    timeout (2 routers served half of what 1 did). Uses the pull subscription's inbox and subject (nats-py is
+    pinned)."""
+    inner = sub._sub
+    assert inner is not None
+    msgs: list[Msg] = []
+    queue = inner._pending_queue
+    while not queue.empty() and len(msgs) < want:  # delivered by an earlier pull after it gave up waiting
+        m = queue.get_nowait()
+        if not JetStreamContext.is_status_msg(m):
+            msgs.append(m)
+    if len(msgs) >= want:
+        return msgs
+    await sub._nc.publish(sub._nms, json.dumps({"batch": want - len(msgs), "no_wait": True}).encode(),
+                          sub._deliver)
+    deadline = time.monotonic() + PULL_TIMEOUT_S
+    while len(msgs) < want:
+        try:
+            m = await inner.next_msg(timeout=max(0.01, deadline - time.monotonic()))
+        except (NatsTimeout, TimeoutError):
+            break
+        status = JetStreamContext.is_status_msg(m)
+        if status is None:
+            msgs.append(m)
+        elif status != "100":  # 404 no messages, 408 expired, 409...: the answer is complete (100: heartbeat)
+            break
+    return msgs
 
 
 def priority_class(priority: int) -> int:
@@ -67,6 +102,11 @@ class _Lane:
     @property
     def subject(self) -> str:
         return Subjects.queue(self.tenant, self.klass)
+
+    def waiting(self) -> int:
+        # Messages a pull that timed out client-side still brought in sit in the subscription's buffer: they
+        # are this router's to dispatch (the next fetch returns them first), so they count as waiting here.
+        return max(0, self.pending) + self.sub.pending_msgs
 
 
 class WorkQueue:
@@ -137,7 +177,7 @@ class WorkQueue:
     def pending_by_tenant(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for (tenant, _), lane in self._lanes.items():
-            out[tenant] = out.get(tenant, 0) + max(0, lane.pending)
+            out[tenant] = out.get(tenant, 0) + lane.waiting()
         return out
 
     def pending_by_class(self, tenant: str) -> dict[str, int]:
@@ -148,16 +188,12 @@ class WorkQueue:
         has none after all."""
         for klass in range(NUM_CLASSES):
             lane = self._lanes.get((tenant, klass))
-            if lane is None or lane.pending <= 0:
+            if lane is None or lane.waiting() <= 0:
                 continue
-            want = max(1, min(max_msgs, lane.pending))
-            try:
-                msgs = await lane.sub.fetch(want, timeout=0.25)
-            except (NatsTimeout, TimeoutError):
-                lane.pending = 0  # someone else took it; the periodic refresh will correct if not
-                continue
+            want = max(1, min(max_msgs, lane.waiting()))
+            msgs = await pull_now(lane.sub, want)
             if not msgs:
-                lane.pending = 0
+                lane.pending = 0  # someone else took it; the periodic refresh will correct if not
                 continue
             lane.pending = int(msgs[-1].metadata.num_pending)
             return msgs

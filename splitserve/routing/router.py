@@ -175,12 +175,24 @@ class Router:
         if self.prefill_strategy is not self.strategy:
             self.prefill_strategy.on_routed(request, decision, now, self.block_size)
         if self.pending is not None:
-            rid = decision.request_id
-            blocks = -(-decision.prompt_tokens // self.block_size)
-            local = 0 if decision.prefiller is not None else decision.uncached_tokens
-            self.pending.add(decision.decoder, rid, local, blocks, now)
-            if decision.prefiller is not None:
-                self.pending.add(decision.prefiller, rid, decision.uncached_tokens, 0, now)
+            self.on_remote_routed(decision.request_id, self.pending_entries(decision), now)
+
+    def pending_entries(self, decision: Decision) -> list[tuple[str, int, int]]:
+        """What a dispatched decision adds to its workers' load until they report it: (worker, prefill tokens,
+        KV blocks) for the decoder and, when disaggregated, the prefiller."""
+        blocks = -(-decision.prompt_tokens // self.block_size)
+        local = 0 if decision.prefiller is not None else decision.uncached_tokens
+        out = [(decision.decoder, local, blocks)]
+        if decision.prefiller is not None:
+            out.append((decision.prefiller, decision.uncached_tokens, 0))
+        return out
+
+    def on_remote_routed(self, request_id: str, entries: Sequence[tuple[str, int, int]], now: float) -> None:
+        """Another router replica dispatched this request (its ``pending_entries``): count it on those workers
+        too until their heartbeats list it, so two routers do not pile one burst onto the same worker."""
+        if self.pending is not None:
+            for worker, tokens, blocks in entries:
+                self.pending.add(worker, request_id, tokens, blocks, now)
 
     def release(self, request_id: str, worker_id: str | None = None) -> None:
         """``worker_id``'s heartbeat now includes this request (None: it finished): stop adding it on top."""

@@ -13,13 +13,15 @@ down here (a service that came up while a node was away must not shrink what the
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
 import structlog
 from nats.js import JetStreamContext
-from nats.js.api import StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.api import KeyValueConfig, StreamConfig
+from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
 
 ENV_REPLICAS = "SPLITSERVE_STREAM_REPLICAS"
 CLUSTER_REPLICAS = 3  # the replica count on a cluster of >= 3 nodes (quorum 2: survives one node)
@@ -45,27 +47,65 @@ def replicas_for(nc: Any) -> int:
     return CLUSTER_REPLICAS if cluster_size(nc) >= CLUSTER_REPLICAS else 1
 
 
+# What "the stream already matches" compares (besides the replica count): updating a stream that already
+# matches is not free: the server counts its max_bytes reservation a second time, so near its JetStream storage
+# limit that fails with "insufficient storage resources"; several routers starting together, or a restarted
+# one, must not do it needlessly.
+_COMPARED = ("subjects", "retention", "storage", "max_bytes", "max_age", "duplicate_window", "discard",
+             "allow_direct")
+
+
 async def ensure_stream(js: JetStreamContext, cfg: StreamConfig, replicas: int) -> None:
-    """Create the stream with ``replicas`` copies, or update the existing one to ``cfg`` (scaling it up to
-    ``replicas``, never down)."""
-    try:
-        existing = await js.stream_info(cfg.name or "")
-    except NotFoundError:
-        existing = None
-    if existing is None:
-        cfg.num_replicas = replicas
+    """Create the stream with ``replicas`` copies, or bring the existing one to ``cfg`` (scaling it up to
+    ``replicas``, never down); leave it alone when it already matches."""
+    for attempt in range(3):
         try:
-            await js.add_stream(cfg)
+            existing = await js.stream_info(cfg.name or "")
+        except NotFoundError:
+            cfg.num_replicas = replicas
+            try:
+                await js.add_stream(cfg)
+                return
+            except Exception as exc:
+                if attempt == 2:
+                    raise RuntimeError(f"cannot create JetStream stream {cfg.name}: {exc!r} (JetStream storage "
+                                       "limits of the nats-server?)") from exc
+                await asyncio.sleep(0.2 * (attempt + 1))  # created by another service meanwhile? look again
+                continue
+        have = existing.config
+        have_r = int(have.num_replicas or 1)
+        cfg.num_replicas = max(replicas, have_r)
+        if cfg.num_replicas == have_r and all(getattr(cfg, f) is None or getattr(cfg, f) == getattr(have, f)
+                                              for f in _COMPARED):
+            return
+        if cfg.num_replicas != have_r:
+            log.info("stream_scaled", stream=cfg.name, replicas_from=have_r, replicas_to=cfg.num_replicas)
+        try:  # it exists with another config (an older version, or fewer copies): update it in place
+            await js.update_stream(cfg)
             return
         except Exception as exc:
-            if "already in use" not in str(exc):
-                raise
-            existing = await js.stream_info(cfg.name or "")  # another service created it meanwhile
-    have = int(existing.config.num_replicas or 1)
-    cfg.num_replicas = max(replicas, have)
-    if cfg.num_replicas != have:
-        log.info("stream_scaled", stream=cfg.name, replicas_from=have, replicas_to=cfg.num_replicas)
-    await js.update_stream(cfg)
+            raise RuntimeError(f"cannot update JetStream stream {cfg.name}: {exc!r} (JetStream storage limits "
+                               "of the nats-server?)") from exc
+
+
+async def ensure_bucket(js: JetStreamContext, cfg: KeyValueConfig, replicas: int) -> KeyValue:
+    """Open the KV bucket, or create it with ``replicas`` copies; an existing one is scaled up to ``replicas``.
+    (Opened first: re-creating an existing bucket makes the server count its storage reservation twice.)"""
+    for attempt in range(3):
+        try:
+            kv = await js.key_value(cfg.bucket)
+            await ensure_replicas(js, f"KV_{cfg.bucket}", replicas)
+            return kv
+        except BucketNotFoundError:
+            pass
+        cfg.replicas = replicas
+        try:
+            return await js.create_key_value(cfg)
+        except Exception as exc:  # created by another service meanwhile? open it
+            if attempt == 2:
+                raise RuntimeError(f"cannot create JetStream KV bucket {cfg.bucket}: {exc!r}") from exc
+            await asyncio.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 async def ensure_replicas(js: JetStreamContext, stream: str, replicas: int) -> None:

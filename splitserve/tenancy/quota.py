@@ -6,17 +6,28 @@ maximum stays over it). Tokens per minute count prompt + completion over a slidi
 request reserves prompt + max_tokens, and when it finishes the reservation is replaced by what it really
 used, so a tenant is never refused on tokens it did not spend for long.
 
-Pure and synchronous; ``now`` is passed in (monotonic seconds), so tests drive time.
+Pure and synchronous; ``now`` is passed in, so tests drive time (monotonic seconds for one router's own
+book; unix seconds for a book shared by several routers, whose clocks must agree).
+
+Several routers share one tenant's usage through ``export`` / ``load``: a router loads the latest shared
+snapshot (a JetStream KV value), decides and records admissions and finishes on it here, and writes the new
+snapshot back with compare-and-set; a conflicting write by another router makes it reload and decide again.
+Admission and finish are idempotent per request id, so a snapshot can be replayed safely. ``stale`` lists
+reservations old enough to check against the request registry (a router that died between reserving and
+queueing leaves one behind); ``finish(..., None)`` drops them.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from splitserve.tenancy.config import TenantLimits, TenantsConfig
 
 WINDOW_S = 60.0
+MAX_FINISHES = 64  # recent finish times kept for the retry-after estimate
 
 
 @dataclass(frozen=True)
@@ -32,6 +43,7 @@ class _Charge:
     at: float
     tokens: int
     in_window: bool = True
+    request_id: str = ""  # set while the request is in flight
 
 
 @dataclass
@@ -65,12 +77,38 @@ class QuotaBook:
         u = self._u.get(tenant)
         return len(u.inflight) if u else 0
 
+    def is_inflight(self, tenant: str, request_id: str) -> bool:
+        u = self._u.get(tenant)
+        return u is not None and request_id in u.inflight
+
     def tokens_in_window(self, tenant: str, now: float) -> int:
         u = self._usage(tenant)
         self._expire(u, now)
         return u.window_total
 
-    def check(self, tenant: str, prompt_tokens: int, max_tokens: int, queued: int, now: float) -> Refusal | None:
+    def check(self, tenant: str, prompt_tokens: int, max_tokens: int, queued: int, now: float,
+              request_id: str | None = None) -> Refusal | None:
+        """The first limit this request would break, or None. ``request_id`` already in flight: None (a re-sent
+        request is the same request; it is not counted twice)."""
+        refusal = self.check_static(tenant, prompt_tokens, max_tokens)
+        if refusal is not None:
+            return refusal
+        lim = self.config.limits(tenant)
+        assert lim is not None
+        u = self._usage(tenant)
+        if request_id is not None and request_id in u.inflight:
+            return None
+        return self._check_usage(tenant, lim, u, prompt_tokens, max_tokens, queued, now)
+
+    def has_dynamic_limits(self, tenant: str) -> bool:
+        """Whether admitting this tenant's requests depends on its usage (max_inflight, max_queued, tokens per
+        minute): only those tenants need usage shared between routers."""
+        lim = self.config.limits(tenant)
+        return lim is not None and (lim.max_inflight is not None or lim.max_queued is not None
+                                    or lim.tokens_per_minute is not None)
+
+    def check_static(self, tenant: str, prompt_tokens: int, max_tokens: int) -> Refusal | None:
+        """The limits that do not depend on usage: unknown tenant, prompt and max_tokens sizes."""
         lim = self.config.limits(tenant)
         if lim is None:
             return Refusal("unknown_tenant", None, f"tenant {tenant!r} is not in the tenants file")
@@ -81,7 +119,10 @@ class QuotaBook:
         if lim.max_tokens is not None and max_tokens > lim.max_tokens:
             return Refusal("bad_request", "max_tokens",
                            f"max_tokens {max_tokens:,} is over tenant {tenant!r}'s limit of {lim.max_tokens:,}")
-        u = self._usage(tenant)
+        return None
+
+    def _check_usage(self, tenant: str, lim: TenantLimits, u: _Usage, prompt_tokens: int, max_tokens: int,
+                     queued: int, now: float) -> Refusal | None:
         self._expire(u, now)
         if lim.max_inflight is not None and len(u.inflight) >= lim.max_inflight:
             return Refusal("quota_exceeded", "max_inflight",
@@ -129,7 +170,7 @@ class QuotaBook:
         u = self._usage(tenant)
         if request_id in u.inflight:
             return  # idempotent: a re-sent request is the same request
-        charge = _Charge(now, prompt_tokens + max_tokens)
+        charge = _Charge(now, prompt_tokens + max_tokens, request_id=request_id)
         u.inflight[request_id] = charge
         u.window.append(charge)
         u.window_total += charge.tokens
@@ -141,9 +182,54 @@ class QuotaBook:
         if u is None or request_id not in u.inflight:
             return False
         charge = u.inflight.pop(request_id)
+        charge.request_id = ""
         used = used_tokens or 0
         if charge.in_window:  # the charge stays dated at admission; only its size becomes the real one
             u.window_total += used - charge.tokens
         charge.tokens = used
         u.finish_times.append(now)
+        while len(u.finish_times) > MAX_FINISHES:
+            u.finish_times.popleft()
         return True
+
+    # --- sharing one tenant's usage between routers ----------------------------------------------------
+    def export(self, tenant: str, now: float) -> dict[str, Any]:
+        """The tenant's usage as plain data (the fields of ``proto.TenantUsage``). Finished requests' charges
+        are merged per second: the snapshot stays small (in flight + at most 60 entries), at the cost of
+        retry-after estimates rounded to the second."""
+        u = self._usage(tenant)
+        self._expire(u, now)
+        settled: dict[float, int] = {}
+        for c in u.window:
+            if not c.request_id:
+                sec = float(math.ceil(c.at))  # never earlier than the real charge: stricter, not looser
+                settled[sec] = settled.get(sec, 0) + c.tokens
+        return {"tenant": tenant,
+                "inflight": {rid: (c.at, c.tokens) for rid, c in u.inflight.items()},
+                "settled": sorted(settled.items()),
+                "finishes": list(u.finish_times)}
+
+    def load(self, tenant: str, snapshot: dict[str, Any] | None, now: float) -> None:
+        """Replace the tenant's usage by a snapshot from ``export`` (None: no usage yet)."""
+        u = self._u[tenant] = _Usage()
+        if not snapshot:
+            return
+        charges: list[_Charge] = []
+        for rid, (at, tokens) in snapshot.get("inflight", {}).items():
+            c = _Charge(float(at), int(tokens), request_id=rid)
+            u.inflight[rid] = c
+            charges.append(c)
+        charges += [_Charge(float(at), int(tokens)) for at, tokens in snapshot.get("settled", [])]
+        charges.sort(key=lambda c: c.at)
+        for c in charges:
+            u.window.append(c)
+            u.window_total += c.tokens
+        u.finish_times.extend(sorted(float(t) for t in snapshot.get("finishes", []))[-MAX_FINISHES:])
+        self._expire(u, now)
+
+    def stale(self, tenant: str, older_than_s: float, now: float) -> list[str]:
+        """Requests in flight for longer than ``older_than_s``: candidates to check against the registry."""
+        u = self._u.get(tenant)
+        if u is None:
+            return []
+        return [rid for rid, c in u.inflight.items() if c.at <= now - older_than_s]

@@ -97,3 +97,37 @@ def test_pick_is_deterministic_and_only_backlogged(backlog: dict[str, int]) -> N
         assert ta is not None and backlog[ta] > 0
     else:
         assert ta is None
+
+
+def test_several_routers_sharing_counters_keep_the_weighted_split() -> None:
+    # Three router replicas take turns dispatching from the same backlog (they pull from one shared queue),
+    # at uneven rates; each adds the others' published charges to its counters. The cluster-wide split
+    # follows the 3:1 weights, and after exchanging reports every replica compares the same counters, so
+    # they agree on who is behind.
+    w = {"heavy": 3.0, "slim": 1.0}
+    routers = [FairScheduler(w.__getitem__) for _ in range(3)]
+    got: Counter[str] = Counter()
+    backlog = {"heavy": 100_000, "slim": 100_000}
+    turns = [0, 0, 0, 1, 2, 0, 1]  # router 0 dispatches most
+    for i in range(1400):
+        me = routers[turns[i % len(turns)]]
+        me.set_remote(_sum(r.virtual() for r in routers if r is not me))
+        t = me.pick(backlog)
+        assert t is not None
+        me.charge(t, 100 if t == "heavy" else 50)  # requests of different sizes: shares are by tokens
+        got[t] += 100 if t == "heavy" else 50
+    assert abs(got["heavy"] / got["slim"] - 3.0) < 0.05, got
+    for me in routers:
+        me.set_remote(_sum(r.virtual() for r in routers if r is not me))
+    views = [r.counters() for r in routers]
+    # equal up to each replica's own catch-up lifts when the tenants first became backlogged (< one request)
+    for t in w:
+        assert max(v[t] for v in views) - min(v[t] for v in views) <= 100, views
+
+
+def _sum(dicts: object) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for d in dicts:  # type: ignore[attr-defined]
+        for k, v in d.items():
+            out[k] = out.get(k, 0.0) + v
+    return out

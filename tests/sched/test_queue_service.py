@@ -42,7 +42,7 @@ tenants:
   capped: {max_inflight: 3, max_prompt_tokens: 40, tokens_per_minute: 2000}
   killme: {}
   waiting: {}
-  adopt: {}
+  adopt: {max_tokens: 200}
 """
 
 
@@ -334,7 +334,7 @@ async def test_new_router_adopts_requests_still_running(fresh_nats: NatsServer, 
     try:
         await wait_ready(url, ["router-a1", "decode-slow"], timeout=180)
         async with Client(url, tenant="adopt", idle_timeout=60) as c:
-            gens = [c.generate(f"long {i}", max_tokens=64) for i in range(3)]  # ~19 s each
+            gens = [c.generate(f"long {i}", max_tokens=200) for i in range(3)]  # ~60 s each: outlive a slow restart
             its = [g.__aiter__() for g in gens]
             for it in its:
                 await it.__anext__()  # running on the decoder

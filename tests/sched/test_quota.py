@@ -108,3 +108,53 @@ def test_load_tenants_file(tmp_path: Path) -> None:
         load_tenants(f)
     with pytest.raises(ValueError, match="cannot read"):
         load_tenants(tmp_path / "missing.yaml")
+
+
+# --- one tenant's usage shared by several routers (export / load; compare-and-set in the service) ----------
+
+
+def test_export_load_round_trip_keeps_the_decisions() -> None:
+    a = _book(max_inflight=3, tokens_per_minute=1000)
+    a.admit("a", "r1", 100, 100, 10.2)
+    a.admit("a", "r2", 100, 100, 10.5)
+    a.finish("a", "r1", 150, 11.0)
+    snap = a.export("a", 12.0)
+    assert set(snap["inflight"]) == {"r2"} and sum(t for _, t in snap["settled"]) == 150
+    b = _book(max_inflight=3, tokens_per_minute=1000)
+    b.load("a", snap, 12.0)
+    assert b.inflight("a") == 1 and b.tokens_in_window("a", 12.0) == 350 == a.tokens_in_window("a", 12.0)
+    # a finished request's tokens count for at least the minute (merged per second, rounded up, never down)
+    assert b.tokens_in_window("a", 70.9) == 350 - 200  # r2's reservation (at 10.5) left the window
+    b.load("a", snap, 12.0)
+    assert b.tokens_in_window("a", 71.1) == 0
+
+
+def test_routers_sharing_snapshots_never_exceed_max_inflight() -> None:
+    # Three routers admit in turn, each deciding on the latest snapshot (what compare-and-set guarantees):
+    # together they admit exactly the limit, not three times it.
+    books = [_book(max_inflight=5) for _ in range(3)]
+    snap = None
+    admitted = 0
+    for i in range(30):
+        book = books[i % 3]
+        book.load("a", snap, 1.0)
+        if book.check("a", 10, 10, 0, 1.0, request_id=f"r{i}") is None:
+            book.admit("a", f"r{i}", 10, 10, 1.0)
+            admitted += 1
+        snap = book.export("a", 1.0)
+    assert admitted == 5
+    # a re-sent request already in flight is not refused, nor counted twice
+    books[0].load("a", snap, 2.0)
+    assert books[0].check("a", 10, 10, 0, 2.0, request_id="r0") is None
+    books[0].admit("a", "r0", 10, 10, 2.0)
+    assert books[0].inflight("a") == 5
+
+
+def test_stale_reservations_and_idempotent_finish() -> None:
+    book = _book(max_inflight=2)
+    book.admit("a", "old", 1, 1, 0.0)
+    book.admit("a", "new", 1, 1, 50.0)
+    assert book.stale("a", 30.0, 60.0) == ["old"] and book.stale("b", 30.0, 60.0) == []
+    assert book.finish("a", "old", None, 60.0) is True
+    assert book.finish("a", "old", None, 61.0) is False  # a second finish changes nothing
+    assert book.inflight("a") == 1 and book.has_dynamic_limits("a") and not book.has_dynamic_limits("b")

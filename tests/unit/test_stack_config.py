@@ -121,3 +121,12 @@ def test_a_lagging_observer_declares_nobody_dead() -> None:
     r.observe(me.model_copy(update={"seq": 2}), now=5.1)  # the router's loop caught up; d0 is still silent
     dead = r.reap(5.2, observer="router-0")
     assert [d[0] for d in dead] == ["d0"]
+
+
+def test_up_routers_starts_that_many_replicas() -> None:
+    kids = {c.name: c for c in _stack([0, 1], routers=3)._children()}
+    routers = sorted(n for n, c in kids.items() if c.role == "router")
+    assert routers == ["router-0", "router-1", "router-2"]
+    for n in routers:  # each its own process, log and id (the supervisor restarts each on its own)
+        assert _arg(kids[n].argv, "--worker-id") == n and kids[n].log.name == f"{n}.log"
+    assert [c.name for c in _stack([0, 1])._children() if c.role == "router"] == ["router-0"]

@@ -83,3 +83,22 @@ def test_subjects_reject_injection() -> None:
     for bad in ["a.b", "*", ">", "a b", ""]:
         with pytest.raises(ValueError):
             Subjects.request(bad)
+
+
+def test_router_replica_messages_round_trip_and_subjects() -> None:
+    from proto import DispatchNote, FairShareReport, QueuedRequest, RequestRecord, TenantUsage, decode, encode
+    from proto.subjects import Subjects
+
+    rec = RequestRecord(request_id="r1", tenant="t", state="queued", stream_subject="ss.stream.t.r1",
+                        prompt_tokens=5, max_tokens=8, accepted_by="router-0")
+    assert decode(encode(rec), RequestRecord) == rec
+    usage = TenantUsage(tenant="t", inflight={"r1": (1.5, 13)}, settled=[(2.0, 7)], finishes=[3.0])
+    assert decode(encode(usage), TenantUsage).inflight == {"r1": (1.5, 13)}
+    for m in (DispatchNote(router_id="router-1", request_id="r1", decoder="d0", blocks=2),
+              FairShareReport(router_id="router-1", incarnation="abc", virtual_tokens={"t": 12.5})):
+        assert decode(encode(m), type(m)) == m
+    # a QueuedRequest from an older router (no record revision) still decodes
+    assert QueuedRequest.model_fields["record_revision"].default is None
+    assert Subjects.routed("router-1") == "ss.routed.router-1" and Subjects.fair("router-1") == "ss.fair.router-1"
+    with pytest.raises(ValueError):
+        Subjects.routed("router.1")

@@ -1,0 +1,364 @@
+"""Several router replicas behind one queue, against real processes: nats-server (JetStream), three routers
+sharing a tenants file, and decode workers running the ``mock`` engine (a control-plane load test).
+
+With three routers every promise of one router holds cluster-wide:
+
+- a request re-sent to another replica reattaches (accepted again by a different router, run once);
+- max_inflight and tokens_per_minute are global: never exceeded (the README says they are exact), where three
+  routers keeping their own books would admit up to three times the limit;
+- token shares follow the weights (3:1) within the bounds the one-router test uses;
+- a router SIGKILLed mid-load loses no accepted request and runs none twice (every request gets exactly one
+  terminal message and one RequestFinished on the wire), and max_inflight still holds across the kill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+
+import proto
+from proto import Accepted, GenerateRequest, SamplingParams, StreamError, StreamFinal, Subjects
+from splitserve import errors
+from splitserve.client import Client, Result
+from splitserve.natsserver import NatsServer
+from splitserve.ops import read_usage, sum_usage
+from tests.procs import heartbeat_of, spawn_service, stop, wait_ready
+
+pytestmark = pytest.mark.slow
+
+ROUTERS = ["router-m0", "router-m1", "router-m2"]
+DECODERS = ["decode-m0", "decode-m1"]
+TENANTS = """
+defaults: {max_tokens: 64}
+tenants:
+  heavy: {weight: 3}
+  slim: {weight: 1}
+  capped: {max_inflight: 4}
+  metered: {tokens_per_minute: 2500}
+  resend: {}
+  killme: {}
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, list]]:  # type: ignore[type-arg]
+    from splitserve.natsserver import start_nats
+
+    work = Path(tmp_path_factory.mktemp("routers"))
+    srv: NatsServer = start_nats(work / "nats", port=None)
+    logs = work / "logs"
+    tenants = work / "tenants.yaml"
+    tenants.write_text(TENANTS)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPLITSERVE_MOCK_STEP_MS", "4")  # inherited by the worker processes
+    procs = [spawn_service("services.router", "--tenants", str(tenants), "--disagg-threshold", "1000000000",
+                           "--queue-ack-wait-s", "3", nats_url=srv.url, worker_id=r, log_dir=logs) for r in ROUTERS]
+    procs += [spawn_service("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", "4",
+                            nats_url=srv.url, worker_id=d, log_dir=logs) for d in DECODERS]
+    mp.undo()
+    try:
+        asyncio.run(wait_ready(srv.url, ROUTERS + DECODERS, timeout=240))
+        yield srv.url, logs, procs
+    finally:
+        stop(*procs)
+        for name in ROUTERS:
+            log = logs / f"{name}.log"
+            print(f"--- {name}\n{log.read_text(errors='replace')[-2000:] if log.exists() else ''}")
+        srv.stop()
+
+
+class _Wire:
+    """Counts, per request id, the terminal messages (final or error) and RequestFinished events on the wire."""
+
+    def __init__(self) -> None:
+        self.terminals: Counter[str] = Counter()
+        self.finished: Counter[str] = Counter()
+        self.ended_at: dict[str, float] = {}
+        self.nc: nats.NATS | None = None
+
+    async def start(self, url: str, tenant: str) -> None:
+        self.nc = await nats.connect(url)
+
+        async def on_stream(msg: object) -> None:
+            try:
+                m = proto.decode_stream(msg.data)  # type: ignore[attr-defined]
+            except proto.ProtocolError:
+                return
+            if isinstance(m, (StreamFinal, StreamError)) and m.request_id:
+                self.terminals[m.request_id] += 1
+                self.ended_at.setdefault(m.request_id, time.monotonic())
+
+        async def on_finished(msg: object) -> None:
+            ev = proto.decode(msg.data, proto.RequestFinished)  # type: ignore[attr-defined]
+            self.finished[ev.request_id] += 1
+
+        await self.nc.subscribe(f"ss.stream.{tenant}.>", cb=on_stream)
+        await self.nc.subscribe(f"ss.result.{tenant}.>", cb=on_stream)
+        await self.nc.subscribe(f"ss.evt.finished.{tenant}.>", cb=on_finished)
+
+    async def close(self) -> None:
+        if self.nc is not None:
+            await self.nc.close()
+
+
+async def test_resend_to_another_replica_reattaches(cluster: tuple[str, Path, list]) -> None:  # type: ignore[type-arg]
+    url, _, _ = cluster
+    wire = _Wire()
+    await wire.start(url, "resend")
+    nc = await nats.connect(url)
+    try:
+        rid = "resend-once-1"
+        req = GenerateRequest(request_id=rid, tenant="resend", prompt="run me once",
+                              sampling=SamplingParams(max_tokens=60), stream_subject=Subjects.result("resend", rid),
+                              stream=False)
+        answered: list[str] = []
+        # The routers share one queue group: re-send until a replica other than the first one answers.
+        for _ in range(40):
+            reply = await nc.request(Subjects.request("resend"), proto.encode(req), timeout=10)
+            acc = proto.decode(reply.data, Accepted)
+            answered.append(acc.router_id)
+            if len(set(answered)) >= 2 and len(answered) >= 4:
+                break
+        assert len(set(answered)) >= 2, answered
+        deadline = time.monotonic() + 30
+        while wire.terminals[rid] < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        # and once it ended, a re-send is refused rather than run again
+        await asyncio.sleep(0.3)
+        reply = await nc.request(Subjects.request("resend"), proto.encode(req), timeout=10)
+        err = proto.decode(reply.data, StreamError)
+        assert err.code == proto.ErrorCode.BAD_REQUEST and "already ended" in err.message
+        await asyncio.sleep(1.0)
+        assert wire.terminals[rid] == 1 and wire.finished[rid] == 1, (wire.terminals, wire.finished)
+        print(f"re-sent {len(answered)} times, accepted by {Counter(answered)}; ran once")
+    finally:
+        await nc.close()
+        await wire.close()
+
+
+async def _capped_waves(url: str, waves: int) -> tuple[dict[str, float], int, _Wire]:
+    """Bursts of 20 requests of tenant "capped" (max_inflight 4) over all routers, while earlier ones still run.
+    Returns when each accepted one was accepted, how many were refused, and the wire's record of them."""
+    wire = _Wire()
+    await wire.start(url, "capped")
+    accepted_at: dict[str, float] = {}
+    refused = 0
+    try:
+        async with Client(url, tenant="capped", accept_timeout=10) as c:
+            async def one(i: int) -> None:
+                nonlocal refused
+                try:
+                    rid = await c.submit(f"capped {i}", max_tokens=64)
+                    accepted_at[rid] = time.monotonic()
+                except errors.QuotaExceeded as exc:
+                    assert "max_inflight" in str(exc)
+                    refused += 1
+                except errors.Timeout:
+                    pass  # reached a router that was killed before answering: never accepted
+
+            for wave in range(waves):
+                await asyncio.gather(*(one(wave * 20 + i) for i in range(20)))
+                await asyncio.sleep(0.3)
+            for rid in accepted_at:
+                assert await c.result(rid, wait=120) is not None
+        await asyncio.sleep(0.5)
+    finally:
+        await wire.close()
+    return accepted_at, refused, wire
+
+
+def _peak(accepted_at: dict[str, float], wire: _Wire) -> int:
+    # Observed in-flight intervals (accept reply -> terminal) lie inside the quota's (reserve -> release), so
+    # their largest overlap is a lower bound of what the routers admitted at once.
+    events = sorted([(t, 1) for t in accepted_at.values()] + [(wire.ended_at[r], -1) for r in accepted_at])
+    peak = level = 0
+    for _, d in events:
+        level += d
+        peak = max(peak, level)
+    return peak
+
+
+async def test_max_inflight_is_global(cluster: tuple[str, Path, list]) -> None:  # type: ignore[type-arg]
+    url, _, _ = cluster
+    accepted_at, refused, wire = await _capped_waves(url, 10)
+    peak = _peak(accepted_at, wire)
+    print(f"capped: {len(accepted_at)} accepted, {refused} refused, peak {peak} in flight (max_inflight 4)")
+    assert refused > 0 and len(accepted_at) >= 8
+    assert peak <= 4
+    assert all(wire.terminals[r] == 1 for r in accepted_at)
+
+
+async def test_tokens_per_minute_is_global(cluster: tuple[str, Path, list]) -> None:  # type: ignore[type-arg]
+    url, _, _ = cluster
+    used = 0
+    refused = 0
+    t0 = time.monotonic()
+    async with Client(url, tenant="metered") as c:
+        async def one(i: int) -> None:
+            nonlocal used, refused
+            try:
+                r = await c.complete(f"metered {i}", max_tokens=64)
+                used += r.usage.prompt_tokens + r.usage.completion_tokens
+            except errors.QuotaExceeded as exc:
+                assert "tokens_per_minute" in str(exc)
+                refused += 1
+
+        await asyncio.gather(*(one(i) for i in range(80)))  # ~70 tokens each: 80 would be ~5,600
+    took = time.monotonic() - t0
+    print(f"metered: {used} tokens used in {took:.1f}s, {refused} refused (tokens_per_minute 2500)")
+    assert took < 60  # all of it inside one minute
+    assert refused > 0
+    assert 2500 - 200 <= used <= 2500  # the limit bound, and it was the limit that bound (not too strict)
+
+
+async def test_token_shares_follow_weights_across_replicas(cluster: tuple[str, Path, list]) -> None:  # type: ignore[type-arg]
+    url, _, _ = cluster
+    async with Client(url, tenant="heavy") as hc, Client(url, tenant="slim") as sc:
+        futs = []
+        for i in range(120):
+            for name, c in (("heavy", hc), ("slim", sc)):
+                futs.append((name, c, asyncio.ensure_future(c.submit(f"{name} {i}: same size", max_tokens=8))))
+        rids = [(name, c, await f) for name, c, f in futs]
+        results: list[tuple[str, Result]] = []
+        for name, c, rid in rids:
+            r = await c.result(rid, wait=120)
+            assert r is not None
+            results.append((name, r))
+    order = sorted(results, key=lambda nr: (nr[1].timings.queue_ms or 0.0))
+    first = Counter(name for name, _ in order[20:100])  # both still backlogged here
+    by_router = Counter(r.decision.get("router") for _, r in results)
+    ratio = first["heavy"] / max(1, first["slim"])
+    print(f"dispatches 20-100: {dict(first)} ratio {ratio:.2f} (weights 3:1); dispatched by {dict(by_router)}")
+    assert len(by_router) >= 2  # more than one replica dispatched
+    assert 2.0 <= ratio <= 4.5  # the bounds of the one-router test
+
+
+async def test_router_killed_mid_load_loses_nothing_runs_nothing_twice(
+        cluster: tuple[str, Path, list]) -> None:  # type: ignore[type-arg]
+    url, logs, procs = cluster
+    wire = _Wire()
+    await wire.start(url, "killme")
+    try:
+        # accept_timeout 10 s: a request the victim took off the queue group but had not answered yet was never
+        # accepted; its caller re-sends it with the same id (to a live replica), as a client must.
+        async with Client(url, tenant="killme", accept_timeout=10) as c:
+            rids = list(await asyncio.gather(*(c.submit(f"job {i}", max_tokens=16) for i in range(300))))
+            resent = 0
+
+            async def stream(i: int) -> Result:
+                nonlocal resent
+                for _ in range(3):
+                    try:
+                        return await c.complete(f"stream {i}", max_tokens=16, request_id=f"kill-stream-{i}")
+                    except errors.Timeout as exc:
+                        assert "no router answered" in str(exc)
+                        resent += 1
+                raise AssertionError(f"kill-stream-{i} was never accepted")
+
+            streams = [asyncio.ensure_future(stream(i)) for i in range(30)]
+            capped = asyncio.ensure_future(_capped_waves(url, 8))  # a limited tenant across the kill
+            deadline = time.monotonic() + 60
+            while len(wire.terminals) < 20 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            done_before = len(wire.terminals)
+            # the replica holding the most requests in flight (its heartbeat lists them): the kill orphans them
+            for _ in range(20):
+                held = {r: len((await heartbeat_of(url, r, role="router")).active_requests) for r in ROUTERS}
+                if max(held.values()) > 0:
+                    break
+            victim_id = max(held, key=lambda r: held[r])
+            victim = procs[ROUTERS.index(victim_id)]
+            victim.kill()  # SIGKILL: its un-acked queue messages come back to the other two after the ack wait
+            victim.wait()
+            # more load while it is gone: the survivors take it
+            late = list(await asyncio.gather(*(c.submit(f"late {i}", max_tokens=16) for i in range(50))))
+            stream_results = await asyncio.gather(*streams, return_exceptions=True)
+            capped_at, capped_refused, capped_wire = await capped
+            results = [await c.result(rid, wait=120) for rid in rids + late]
+        await asyncio.sleep(4.0)  # past the ack wait: anything handed out twice would show up now
+    finally:
+        await wire.close()
+    print(f"killed {victim_id} holding {held[victim_id]} in flight ({held}); "
+          f"{done_before} ended before the kill; terminals {sum(wire.terminals.values())}; {resent} streams re-sent "
+          "after their router died unanswered")
+    assert 0 < done_before < 300
+    assert all(isinstance(r, Result) for r in stream_results), stream_results
+    assert all(r is not None and r.finish_reason == "length" for r in results)
+    every = set(rids) | set(late) | {r.request_id for r in stream_results if isinstance(r, Result)}
+    assert len(every) == 380
+    twice = {rid: n for rid, n in wire.terminals.items() if n != 1}
+    assert not twice, f"requests with more than one terminal message: {twice}"
+    assert set(wire.terminals) == every
+    assert {rid: n for rid, n in wire.finished.items() if n != 1} == {} and set(wire.finished) == every
+    async with await nats.connect(url) as nc:
+        usage = sum_usage(await read_usage(nc, tenant="killme"))
+    assert usage["killme"].requests == 380 and usage["killme"].ok == 380
+    survivors = "".join((logs / f"{r}.log").read_text() for r in ROUTERS if r != victim_id)
+    recovered = sum(survivors.count(k) for k in ('"redelivered_already_finished"', '"redelivered_adopted"',
+                                                  '"recovered_dispatching"', '"queued_request_already_ended"'))
+    peak = _peak(capped_at, capped_wire)
+    print(f"recovered by the survivors: {recovered}; capped across the kill: {len(capped_at)} accepted, "
+          f"{capped_refused} refused, peak {peak} in flight (max_inflight 4)")
+    assert held[victim_id] > 0 and recovered > 0  # what the victim held mid-flight, the survivors took over
+    assert peak <= 4 and capped_refused > 0
+    assert all(capped_wire.terminals[r] == 1 for r in capped_at)
+
+
+def test_up_routers_starts_replicas_each_restarted_on_its_own(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # The real supervisor: `splitserve up --routers 2` (mock engine). Both replicas serve; one SIGKILLed is
+    # restarted by itself while the other keeps serving, and the client needs no change.
+    import os
+    import signal
+
+    from splitserve.stackproc import start_stack
+
+    monkeypatch.setenv("SPLITSERVE_MOCK_STEP_MS", "2")
+    sp = start_stack(tmp_path / "stack", "--routers", "2", "--engine", "mock", "--prefill", "0", "--decode", "1",
+                     "--transport", "tcp")
+    try:
+        assert sum("router-" in line and "ready" in line for line in sp.output) >= 2, sp.output
+
+        async def traffic(tag: str) -> Counter[str]:
+            # accept_timeout 10 s: a request that reached the killed replica just before it died was never
+            # accepted; it is re-sent with the same id, as a client must
+            async with Client(sp.nats_url, tenant="up", accept_timeout=10) as c:
+                async def one(i: int) -> Result:
+                    for _ in range(3):
+                        try:
+                            return await c.complete(f"{tag} {i}", max_tokens=4, request_id=f"{tag}-{i}")
+                        except errors.Timeout:
+                            continue
+                    raise AssertionError(f"{tag}-{i} was never accepted")
+
+                rs = await asyncio.gather(*(one(i) for i in range(30)))
+            assert all(len(r.token_ids) == 4 for r in rs)
+            return Counter(str(r.decision.get("router")) for r in rs)
+
+        before = asyncio.run(traffic("before"))
+        hb = asyncio.run(heartbeat_of(sp.nats_url, "router-1", role="router"))
+        assert hb.pid is not None
+        os.kill(hb.pid, signal.SIGKILL)
+        during = asyncio.run(traffic("during"))  # router-0 alone meanwhile
+        deadline = time.monotonic() + 240
+        again = hb
+        while time.monotonic() < deadline:  # the supervisor restarts it: a new process of the same id, ready
+            try:
+                again = asyncio.run(heartbeat_of(sp.nats_url, "router-1", role="router"))
+            except Exception:
+                continue
+            if again.pid != hb.pid and again.state == "ready":
+                break
+        assert again.pid != hb.pid and again.state == "ready"
+        after = asyncio.run(traffic("after"))
+        print(f"dispatched by: before {dict(before)}, during {dict(during)}, after {dict(after)}")
+        assert set(before) <= {"router-0", "router-1"} and set(after) <= {"router-0", "router-1"}
+        assert len(before | after) == 2  # both replicas dispatch
+    finally:
+        assert sp.stop() == 0, sp.output
