@@ -7,10 +7,20 @@ store the request durably in its tenant's queue (``services.router.workqueue``) 
 Dispatch: while decoders have free slots, the fair scheduler (``splitserve.tenancy.fairshare``) picks the
 tenant to serve next by weighted tokens; the router pulls that tenant's next request, asks the routing
 policy for a decision, and publishes a PrefillJob (disaggregated) or DecodeJob (direct). It tracks every
-request it dispatched until the worker reports it finished (then acks its queue message), so that when a
-worker dies the caller gets a terminal ``worker_died`` error instead of a hang, and when the router itself
-dies its requests are redelivered: one still running is adopted, one already finished is dropped, the
-rest are dispatched again.
+request it dispatched until the worker reports it finished (then acks its queue message), and when the
+router itself dies its requests are redelivered: one still running is adopted, one already finished is
+dropped, the rest are dispatched again.
+
+Migration (``_worker_lost`` / ``_migrate``): the router listens to the stream of every request it dispatched,
+so it knows the tokens the caller has received. When the decoder holding a request dies (heartbeats stop, or
+it stops after a drain), or its prefiller dies before the KV landed, or a prefiller bounces the job (the KV
+hand-off failed), the request is routed again by the usual rules over prompt + tokens so far, and the new
+decoder continues the stream at the next seq number: the caller sees one unbroken stream. After
+``max_migrations`` moves the request ends with ``worker_died`` naming the count.
+
+Drain (SIGTERM): intake stops (other routers of the queue group take new requests), dispatch stops (queued
+requests wait for the other routers), and in-flight requests are followed until they end or the drain
+bound runs out (their queue messages are then redelivered to another router, which adopts them).
 
 ``--no-queue`` dispatches at intake instead (no durability, no fair share), for comparison.
 """
@@ -23,9 +33,12 @@ import heapq
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import DiscardPolicy, StreamConfig
 from opentelemetry import trace
 from opentelemetry.trace import SpanContext
@@ -38,13 +51,17 @@ from proto import (
     ErrorCode,
     GenerateRequest,
     Heartbeat,
+    JobBounced,
     KvEventBatch,
     PrefillJob,
     QueuedRequest,
     QueueReport,
     QueueReportRequest,
     RequestFinished,
+    RevokeJob,
+    RevokeReply,
     Route,
+    StreamDelta,
     StreamError,
     StreamFinal,
     Subjects,
@@ -102,6 +119,19 @@ class Inflight:
     trace_ctx: SpanContext | None = None  # router.request's span: a later failure is recorded under it
     queue_msg: Msg | None = None  # its durable queue message, acked when the request ends
     charged: int = 0  # tokens the fair scheduler charged at dispatch (settled at finish)
+    # Migration state. ``job`` is the last job sent (None: adopted after a router restart, not movable);
+    # tokens/text/next_seq: what the caller has received, from the stream this router follows.
+    request: GenerateRequest | None = None
+    job: DecodeJob | None = None
+    attempt: int = 0
+    tokens: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    next_seq: int = 0
+    tracked: bool = True  # False once a delta was missed: the tokens so far are not known exactly
+    started: bool = False  # the current attempt's decoder has produced output
+    migrating: bool = False
+    cancelled: bool = False  # a cancel arrived (it may have reached no worker while the request moved)
+    sub: Any = None  # the stream subscription
 
 
 class RouterService(Service):
@@ -124,9 +154,12 @@ class RouterService(Service):
         queue: bool = True,
         queue_ack_wait_s: float = 30.0,
         long_prompt_tokens: int = 2048,
+        max_migrations: int = 2,
         **kw: object,
     ) -> None:
         super().__init__(worker_id, nats_url, **kw)  # type: ignore[arg-type]
+        self.max_migrations = max_migrations
+        self._intake_subs: list[Any] = []
         self.model = model
         self.strategy_name = strategy
         self.disagg_threshold = disagg_threshold
@@ -183,11 +216,12 @@ class RouterService(Service):
         await b.subscribe(Subjects.FINISHED_ALL, RequestFinished, self.on_finished)
         await b.subscribe(Subjects.KV_EVENTS_ALL, KvEventBatch, self.on_kv_events)
         await b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel)
-        await b.subscribe(Subjects.ADMIN_QUEUES, QueueReportRequest, self.on_queue_report,
-                          queue=Subjects.ROUTER_QUEUE, concurrent=True)
-        await b.subscribe(
+        await b.subscribe(Subjects.BOUNCED_ALL, JobBounced, self.on_bounced)
+        self._intake_subs.append(await b.subscribe(Subjects.ADMIN_QUEUES, QueueReportRequest, self.on_queue_report,
+                                                   queue=Subjects.ROUTER_QUEUE, concurrent=True))
+        self._intake_subs.append(await b.subscribe(
             Subjects.REQUEST_ALL, GenerateRequest, self.on_request, queue=Subjects.ROUTER_QUEUE, concurrent=True
-        )
+        ))
         b.spawn(self._reaper())
         if self.use_queue:
             b.spawn(self._dispatch_loop())
@@ -232,6 +266,10 @@ class RouterService(Service):
 
     async def _retire(self, inf: Inflight, used_tokens: int | None) -> None:
         """The request ended (any outcome): ack its queue message and settle its fair-share charge."""
+        if inf.sub is not None:
+            sub, inf.sub = inf.sub, None
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
         if inf.charged:
             self.fair.settle(inf.tenant, inf.charged, used_tokens if used_tokens is not None else 0)
             inf.charged = 0
@@ -247,8 +285,7 @@ class RouterService(Service):
             for wid, reason in self.registry.reap(time.monotonic(), observer=self.worker_id):
                 self.log.warning("worker_dead", dead_worker=wid, reason=reason)
                 self.policy.remove_worker(wid)
-                for inf in [i for i in self.inflight.values() if i.holder == wid]:
-                    await self._fail(inf, ErrorCode.WORKER_DIED, f"{reason} while serving this request", wid)
+                self._worker_lost(wid, reason)
             await self._expire_queued()
 
     async def _fail(self, inf: Inflight, code: ErrorCode, message: str, worker: str | None = None) -> None:
@@ -277,11 +314,190 @@ class RouterService(Service):
                             status="error", error_code=code),
         )
 
+    # --- migration: a request whose worker died continues elsewhere ------------------------------------
+    async def _track(self, inf: Inflight, req: GenerateRequest, job: DecodeJob) -> None:
+        """Remember the job and follow the request's stream (before the job goes out, so no delta is missed):
+        the tokens the caller has received are what a migration resumes from. Deltas cost the router one
+        more delivery each; heartbeats carrying tokens would be cheaper but lag, and a resume from an older
+        point would send the caller tokens twice. A non-streaming request has no deltas: it restarts."""
+        inf.request, inf.job = req, job
+        if not req.stream:
+            return
+        rid = req.request_id
+
+        async def on_msg(raw: Msg) -> None:
+            if self.inflight.get(rid) is inf:
+                self._on_stream(inf, raw.data)
+
+        try:
+            inf.sub = await self.b.nc.subscribe(req.stream_subject, cb=on_msg)
+        except Exception as exc:  # not fatal: the request just cannot be moved
+            inf.tracked = False
+            self.log.warning("stream_follow_failed", request_id=rid, error=str(exc))
+
+    def _on_stream(self, inf: Inflight, data: bytes) -> None:
+        try:
+            msg = proto.decode_stream(data)
+        except proto.ProtocolError:
+            return
+        inf.started = True
+        if not isinstance(msg, StreamDelta):
+            return
+        if msg.seq == inf.next_seq:
+            inf.tokens.extend(msg.token_ids)
+            inf.text.append(msg.text)
+            inf.next_seq += 1
+        elif msg.seq > inf.next_seq:
+            inf.tracked = False  # a delta went missing here: resuming would skip or repeat tokens
+
+    async def on_bounced(self, ev: JobBounced, _: Msg) -> None:
+        inf = self.inflight.get(ev.request_id)
+        if inf is None or inf.tenant != ev.tenant or inf.attempt != ev.attempt:
+            return
+        self.log.warning("job_bounced", request_id=ev.request_id, worker=ev.worker_id, code=str(ev.code),
+                         reason=ev.message)
+        self.b.spawn(self._migrate(inf, inf.attempt, f"{ev.message} (from {ev.worker_id})", ev.worker_id,
+                                   decoder_failed=False))
+
+    def _worker_lost(self, wid: str, reason: str) -> None:
+        for inf in list(self.inflight.values()):
+            if inf.decoder == wid or (inf.holder == wid and inf.prefiller != wid):
+                self.b.spawn(self._migrate(inf, inf.attempt, reason, wid, decoder_failed=True))
+            elif inf.prefiller == wid and not inf.started:
+                # Its KV may never come: unless the decoder already has it, send the request again.
+                self.b.spawn(self._migrate(inf, inf.attempt, reason, wid, decoder_failed=False))
+
+    async def _migrate(self, inf: Inflight, attempt: int, reason: str, failed: str, *, decoder_failed: bool) -> None:
+        """Move one attempt of a request to another worker (idempotent per attempt: several signals of the
+        same failure move it once)."""
+        if self.inflight.get(inf.request_id) is not inf or inf.attempt != attempt or inf.migrating:
+            return
+        inf.migrating = True
+        try:
+            parent = None
+            if inf.trace_ctx is not None:
+                parent = trace.set_span_in_context(trace.NonRecordingSpan(inf.trace_ctx))
+            with tracing.tracer().start_as_current_span("router.migrate", context=parent) as sp, \
+                    structlog.contextvars.bound_contextvars(request_id=inf.request_id, tenant=inf.tenant):
+                tracing.set_attrs(sp, request_id=inf.request_id, tenant=inf.tenant, failed_worker=failed,
+                                  reason=reason, attempt=attempt + 1, resumed_tokens=len(inf.tokens),
+                                  start_seq=inf.next_seq, from_decoder=inf.decoder, from_prefiller=inf.prefiller)
+                await self._migrate_once(inf, attempt, reason, failed, decoder_failed, sp)
+        except Exception as exc:  # never leave the caller waiting on a bug here
+            self.log.exception("migration_failed", request_id=inf.request_id, error=str(exc))
+            if self.inflight.get(inf.request_id) is inf:
+                await self._fail(inf, ErrorCode.INTERNAL, f"{reason}; moving the request failed: {exc}", failed)
+        finally:
+            inf.migrating = False
+
+    async def _migrate_once(self, inf: Inflight, attempt: int, reason: str, failed: str, decoder_failed: bool,
+                            sp: trace.Span) -> None:
+        log = self.log.bind(request_id=inf.request_id, tenant=inf.tenant)
+        if inf.job is None or inf.request is None or not inf.tracked:
+            why = ("adopted after a router restart" if inf.job is None
+                   else "a stream message was missed, so the tokens so far are not known exactly")
+            tracing.set_attrs(sp, migrated=False, not_movable=why)
+            await self._fail(inf, ErrorCode.WORKER_DIED, f"{reason} while serving this request (not moved: {why})",
+                             failed)
+            return
+        if attempt >= self.max_migrations:
+            tracing.set_attrs(sp, migrated=False, exhausted=True)
+            await self._fail(inf, ErrorCode.WORKER_DIED,
+                             f"{reason} while serving this request, after {attempt} migration(s) "
+                             f"(--max-migrations {self.max_migrations})", failed)
+            return
+        # Fence the previous decoder: a dead one does not answer; one only thought dead (or whose prefiller
+        # died) drops the attempt, or, when the KV has landed there and it was not the one that failed, keeps it.
+        try:
+            reply = await self.b.request(Subjects.revoke(inf.decoder), RevokeJob(
+                request_id=inf.request_id, tenant=inf.tenant, attempt=attempt, force=decoder_failed,
+                reason=reason), RevokeReply, timeout=1.0)
+        except (NoRespondersError, NatsTimeout, TimeoutError):
+            reply = None
+        if isinstance(reply, RevokeReply) and reply.running:
+            log.info("migration_not_needed", decoder=inf.decoder, reason=reason)
+            tracing.set_attrs(sp, migrated=False, kept_on=inf.decoder)
+            inf.holder = inf.decoder
+            return
+        if inf.cancelled:
+            await self._end_moved_cancelled(inf)
+            return
+        decoders = await self._wait_for_decoders()
+        if self.inflight.get(inf.request_id) is not inf:
+            return
+        if not decoders:
+            tracing.set_attrs(sp, migrated=False)
+            await self._fail(inf, ErrorCode.WORKER_DIED, f"{reason} while serving this request; no live decoder "
+                             f"to move it to within {self.no_worker_wait_s:.1f}s", failed)
+            return
+        req, old = inf.request, inf.job
+        context = [*old.prompt_token_ids, *inf.tokens]
+        now = time.monotonic()
+        views = [self._view(hb) for hb in self.registry.live("decode", now) + self.registry.live("prefill", now)]
+        rreq = RoutingRequest(request_id=req.request_id, tenant=req.tenant, token_ids=context,
+                              session_key=req.session_id, force_route=None if req.route == "auto" else req.route)
+        try:
+            decision = self.policy.decide(rreq, views, now)
+        except NoWorkers as exc:
+            await self._fail(inf, ErrorCode.WORKER_DIED, f"{reason} while serving this request; {exc}", failed)
+            return
+        route = Route(decision.route)
+        ddict = decision.to_dict()
+        job = old.model_copy(update=dict(
+            attempt=attempt + 1, resume_token_ids=list(inf.tokens), resume_text="".join(inf.text),
+            start_seq=inf.next_seq, route=route, decoder_id=decision.decoder, prefill_worker=decision.prefiller,
+            routed_ms=now_ms(), decision=ddict))
+        inf.job, inf.attempt, inf.started = job, attempt + 1, False
+        inf.decoder, inf.prefiller = decision.decoder, decision.prefiller
+        inf.holder = decision.prefiller or decision.decoder
+        tracing.set_attrs(sp, migrated=True, route=str(route.value), decoder=decision.decoder,
+                          prefiller=decision.prefiller, decision_json=ddict)
+        log.warning("migrated", attempt=attempt + 1, failed_worker=failed, reason=reason, decoder=decision.decoder,
+                    prefiller=decision.prefiller, resumed_tokens=len(inf.tokens), start_seq=inf.next_seq)
+        try:
+            if route is Route.DISAGGREGATED:
+                assert decision.prefiller is not None
+                await self.b.publish(Subjects.prefill_job(decision.prefiller), PrefillJob(decode=job))
+            else:
+                await self.b.publish(Subjects.decode_job(decision.decoder), job)
+        except PayloadTooLarge as exc:
+            await self._fail(inf, ErrorCode.PAYLOAD_TOO_LARGE, str(exc))
+
+    async def _end_moved_cancelled(self, inf: Inflight) -> None:
+        """Cancelled while it had no worker: end it here with what the caller already has."""
+        self.inflight.pop(inf.request_id, None)
+        await self._retire(inf, None)
+        job = inf.job
+        assert job is not None
+        usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(inf.tokens))
+        await self.b.publish(inf.stream_subject, StreamFinal(
+            request_id=inf.request_id, seq=inf.next_seq, token_ids=list(inf.tokens), text="".join(inf.text),
+            finish_reason="cancelled", usage=usage, route=job.route, prefill_worker=job.prefill_worker,
+            decode_worker="", decision=job.decision))
+        await self.b.publish(Subjects.finished(inf.tenant, inf.request_id), RequestFinished(
+            request_id=inf.request_id, tenant=inf.tenant, worker_id=self.worker_id, status="cancelled",
+            usage=usage, route=job.route))
+
+    # --- drain -----------------------------------------------------------------------------------------
+    async def drain(self) -> None:
+        # New requests go to the other routers of the queue group (drain() answers what was already
+        # delivered here); dispatch stops (self.draining); running requests are followed until they end.
+        for sub in self._intake_subs:
+            with contextlib.suppress(Exception):
+                await sub.drain()
+        while self.inflight:
+            await asyncio.sleep(0.05)
+
     # --- requests that end while still queued ----------------------------------------------------------
     async def on_cancel(self, c: CancelRequest, _: Msg) -> None:
         # A dispatched request is stopped by its worker; one still waiting in the queue is ended here, now,
         # and skipped when it reaches dispatch.
-        if c.request_id in self.inflight or c.request_id not in self._accepted_meta:
+        inf = self.inflight.get(c.request_id)
+        if inf is not None:
+            if inf.tenant == c.tenant:
+                inf.cancelled = True  # its worker ends it; a migration in between ends it instead of moving it
+            return
+        if c.request_id not in self._accepted_meta:
             return
         await self._end_queued(c.request_id, "cancelled", c.reason)
 
@@ -477,7 +693,7 @@ class RouterService(Service):
 
     async def _dispatch_some(self) -> bool:
         progressed = False
-        while (free := self.free_slots(time.monotonic())) > 0:
+        while not self.draining and (free := self.free_slots(time.monotonic())) > 0:
             tenant = self.fair.pick(self.wq.pending_by_tenant())
             if tenant is None:
                 break
@@ -634,6 +850,7 @@ class RouterService(Service):
                           prefiller=decision.prefiller, decision_json=ddict)
         tracing.set_attrs(sp, "decision.", **{k: v for k, v in ddict.items() if k != "request_id"})
         log.info("routed", decision=ddict, prompt_tokens=len(ids))
+        await self._track(inf, req, job)
         try:
             if route is Route.DISAGGREGATED:
                 assert decision.prefiller is not None
