@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from services.common.cli import LogLevel, NatsUrl
+from services.common.cli import DrainTimeout, LogLevel, NatsUrl
 from splitserve.runtime.service import run_service
 
 app = typer.Typer(add_completion=False)
@@ -26,6 +26,7 @@ def main(
                                         help="tenants file: its tenants' api_keys are accepted too (a tenants "
                                              "file with keys turns key auth on)"),
     log_level: str = LogLevel,
+    drain_timeout_s: float = DrainTimeout,
 ) -> None:
     from services.frontend.app import load_api_keys
     from services.frontend.service import FrontendService
@@ -49,7 +50,7 @@ def main(
         if from_file:
             keys = {**(keys or {}), **from_file}
     run_service(FrontendService(worker_id, nats_url, host=host, port=port, model_name=model_name, api_keys=keys,
-                                log_level=log_level))
+                                log_level=log_level, drain_timeout_s=drain_timeout_s))
 
 
 if __name__ == "__main__":
