@@ -414,6 +414,11 @@ class DecodeService(Service):
         started_ms = adm.started_ms or now_ms()
         if self._is_revoked(job):
             return
+        if job.request_id in self.active:
+            # A duplicate (or a stray job for a running request): the engine holds one sequence per id, and
+            # adding it again would fail the whole batch.
+            self.log.warning("duplicate_job_ignored", request_id=job.request_id, attempt=job.attempt)
+            return
         if job.request_id in self.cancelled:
             await self._finish_unstarted(job, "cancelled")
             return
