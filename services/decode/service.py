@@ -139,6 +139,7 @@ class DecodeService(Service):
         self.cancelled: dict[str, None] = {}  # recently cancelled request ids, insertion-ordered, bounded
         self.revoked: dict[str, int] = {}  # request id -> highest attempt revoked here (bounded, insertion-ordered)
         self._loop_task: asyncio.Task[None] | None = None
+        self.admitting: str | None = None  # the request being admitted (prefilled) now: held, though in no list
         self._wake = asyncio.Event()
         self.thread = EngineThread(f"decode-{worker_id}")
         # One decode.stream span per admitted sequence, open until it finishes or fails: decode jobs arrive
@@ -171,7 +172,7 @@ class DecodeService(Service):
 
     async def drain(self) -> None:
         # Jobs routed before the routers saw "draining" still arrive and are served like the rest.
-        while self.active or self.pending or self.reservations:
+        while self.active or self.pending or self.reservations or self.admitting:
             await asyncio.sleep(0.05)
 
     async def hand_over(self) -> None:
@@ -219,7 +220,7 @@ class DecodeService(Service):
         )
 
     def active_requests(self) -> list[str]:
-        return [*self.active, *(a.job.request_id for a in self.pending),
+        return [*self.active, *(a.job.request_id for a in self.pending), *([self.admitting] if self.admitting else []),
                 *(r.request_id for r in self.reservations.values())]
 
     def heartbeat_extra(self) -> dict[str, Any]:
@@ -239,7 +240,7 @@ class DecodeService(Service):
         rid = r.request_id
         seq = self.active.get(rid)
         landed = [a for a in self.pending if a.job.request_id == rid and a.kv is not None]
-        if not r.force and ((seq is not None and seq.job.attempt >= r.attempt) or landed):
+        if not r.force and ((seq is not None and seq.job.attempt >= r.attempt) or landed or rid == self.admitting):
             await self.b.respond(msg, RevokeReply(request_id=rid, revoked=False, running=True))
             return
         self.revoked[rid] = max(r.attempt, self.revoked.get(rid, -1))
@@ -404,9 +405,11 @@ class DecodeService(Service):
             adm.blocks, adm.kv = None, None
 
     async def _admit(self, adm: Admission) -> None:
+        self.admitting = adm.job.request_id
         try:
             await self._admit_one(adm)
         finally:
+            self.admitting = None
             self._release(adm)
 
     async def _admit_one(self, adm: Admission) -> None:

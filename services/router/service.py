@@ -89,6 +89,7 @@ MAX_DELIVERIES = 5  # a request that took down this many routers is failed inste
 DEFAULT_DECODER_SLOTS = 16
 DISPATCH_BATCH = 8  # most queue messages pulled from one tenant per scheduling decision
 REGISTRY_WARMUP_S = 1.5  # three heartbeat intervals
+UNCONFIRMED_S = 5.0  # a dispatched job that no worker reports within this long is sent again
 
 
 class _Rate:
@@ -130,6 +131,7 @@ class Inflight:
     tracked: bool = True  # False once a delta was missed: the tokens so far are not known exactly
     started: bool = False  # the current attempt's decoder has produced output
     migrating: bool = False
+    confirmed: bool = False  # a worker of the current attempt reported it (heartbeat or stream): the job arrived
     cancelled: bool = False  # a cancel arrived (it may have reached no worker while the request moved)
     sub: Any = None  # the stream subscription
 
@@ -245,6 +247,8 @@ class RouterService(Service):
                 inf = self.inflight.get(rid)
                 if inf is None:
                     continue
+                if hb.worker_id in (inf.decoder, inf.prefiller):
+                    inf.confirmed = True
                 if hb.role == "decode" and inf.decoder == hb.worker_id:
                     inf.holder = hb.worker_id  # a request handed from prefiller to decoder is the decoder's now
                 self.policy.release(rid, hb.worker_id)  # this worker's own load report now counts it
@@ -286,6 +290,7 @@ class RouterService(Service):
                 self.log.warning("worker_dead", dead_worker=wid, reason=reason)
                 self.policy.remove_worker(wid)
                 self._worker_lost(wid, reason)
+            self._check_unconfirmed(time.monotonic())
             await self._expire_queued()
 
     async def _fail(self, inf: Inflight, code: ErrorCode, message: str, worker: str | None = None) -> None:
@@ -340,7 +345,7 @@ class RouterService(Service):
             msg = proto.decode_stream(data)
         except proto.ProtocolError:
             return
-        inf.started = True
+        inf.started = inf.confirmed = True
         if not isinstance(msg, StreamDelta):
             return
         if msg.seq == inf.next_seq:
@@ -358,6 +363,17 @@ class RouterService(Service):
                          reason=ev.message)
         self.b.spawn(self._migrate(inf, inf.attempt, f"{ev.message} (from {ev.worker_id})", ev.worker_id,
                                    decoder_failed=False))
+
+    def _check_unconfirmed(self, now: float) -> None:
+        """A job no worker reported within a few heartbeats never arrived (published while the connection to
+        NATS was down, or to a worker that stopped just then): send it again rather than wait forever."""
+        for inf in list(self.inflight.values()):
+            if inf.confirmed or inf.migrating or inf.job is None or now - inf.routed_at < UNCONFIRMED_S:
+                continue
+            inf.routed_at = now  # once per window
+            reason = (f"no worker reported job attempt {inf.attempt} within {UNCONFIRMED_S:.0f}s (sent to "
+                      f"{inf.prefiller or inf.decoder}; lost in transit?)")
+            self.b.spawn(self._migrate(inf, inf.attempt, reason, inf.holder, decoder_failed=False))
 
     def _worker_lost(self, wid: str, reason: str) -> None:
         for inf in list(self.inflight.values()):
@@ -447,7 +463,8 @@ class RouterService(Service):
             attempt=attempt + 1, resume_token_ids=list(inf.tokens), resume_text="".join(inf.text),
             start_seq=inf.next_seq, route=route, decoder_id=decision.decoder, prefill_worker=decision.prefiller,
             routed_ms=now_ms(), decision=ddict))
-        inf.job, inf.attempt, inf.started = job, attempt + 1, False
+        inf.job, inf.attempt, inf.started, inf.confirmed = job, attempt + 1, False, False
+        inf.routed_at = time.monotonic()
         inf.decoder, inf.prefiller = decision.decoder, decision.prefiller
         inf.holder = decision.prefiller or decision.decoder
         tracing.set_attrs(sp, migrated=True, route=str(route.value), decoder=decision.decoder,
