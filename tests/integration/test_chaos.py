@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 async def test_chaos_bounded_run(tmp_path: Path) -> None:
     seconds = float(os.environ.get("SPLITSERVE_CHAOS_S", "60"))
-    report = await chaos.run(duration=seconds, seed=3, kill_every=6.0, restart_after=1.0, clients=4, engine="mock",
+    report = await chaos.run(duration=seconds, seed=23, kill_every=6.0, restart_after=1.0, clients=4, engine="mock",
                              step_ms=10, baseline_s=0, root=tmp_path)
     print("\n" + json.dumps(report))
     r = report["chaos"]
