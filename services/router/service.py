@@ -284,8 +284,16 @@ class RouterService(Service):
         self._dispatch_wake.set()
 
     async def _reaper(self) -> None:
+        seen_reconnects, hold_until = self.b.reconnects, 0.0
         while True:
             await asyncio.sleep(0.25)
+            now = time.monotonic()
+            if self.b.reconnects != seen_reconnects:
+                # The connection to NATS was down: every worker's heartbeats were missed alike, and they come
+                # back over the next interval. Declaring them dead now would move requests that are fine.
+                seen_reconnects, hold_until = self.b.reconnects, now + 2 * self.registry.min_timeout_s
+            if now < hold_until:
+                continue
             for wid, reason in self.registry.reap(time.monotonic(), observer=self.worker_id):
                 self.log.warning("worker_dead", dead_worker=wid, reason=reason)
                 self.policy.remove_worker(wid)
