@@ -54,7 +54,10 @@ __all__ = [
     "RequestRecord",
     "TenantUsage",
     "TenantQueue",
+    "JobBounced",
     "RequestFinished",
+    "RevokeJob",
+    "RevokeReply",
     "Route",
     "SamplingParams",
     "TokenLogprob",
@@ -236,6 +239,55 @@ class DecodeJob(Message):
     deadline_ms: float | None = None
     decision: dict[str, Any] = Field(default_factory=dict)  # the routing decision record
     stream: bool = True  # publish deltas (False: only the terminal message)
+    # Migration (added in v1 with defaults: an older decoder reads a first attempt unchanged). A request whose
+    # worker died continues elsewhere: the new decoder computes over prompt + resume_token_ids (the tokens
+    # already streamed to the caller), treats those as generated output (usage, final token_ids/text, the
+    # max_tokens budget) and publishes from start_seq. ``attempt`` counts migrations; a worker drops a job or
+    # KV hand-off of an attempt older than one it was told to revoke.
+    attempt: int = Field(default=0, ge=0)
+    resume_token_ids: TokenIds = Field(default_factory=list)
+    resume_text: str = ""
+    start_seq: int = Field(default=0, ge=0)
+
+    def context_token_ids(self) -> list[int]:
+        """What the KV must cover: the prompt, then the tokens a previous attempt already produced."""
+        if not self.resume_token_ids:
+            return self.prompt_token_ids
+        return [*self.prompt_token_ids, *self.resume_token_ids]
+
+
+class RevokeJob(Message):
+    """Router -> decoder, request/reply: stop holding one attempt of a request, silently (no terminal message:
+    the request continues elsewhere). Without ``force`` a sequence already decoding is kept (the answer says
+    so); with it, that too is dropped (fencing a decoder the router declared dead)."""
+
+    kind: Literal["revoke_job"] = "revoke_job"
+    request_id: str
+    tenant: str
+    attempt: int = Field(ge=0)
+    force: bool = False
+    reason: str = ""
+
+
+class RevokeReply(Message):
+    kind: Literal["revoke_reply"] = "revoke_reply"
+    request_id: str
+    revoked: bool  # whatever the decoder held of that attempt is gone (or it held nothing)
+    running: bool = False  # not revoked: the sequence is decoding (or its KV has landed) here
+
+
+class JobBounced(Message):
+    """Prefiller -> routers: a job could not be handed to its decoder (it died, refused or timed out the KV
+    reservation, or the push failed). The caller was told nothing; the router that dispatched the request
+    sends it again (another prefiller or decoder), within its migration bound."""
+
+    kind: Literal["job_bounced"] = "job_bounced"
+    request_id: str
+    tenant: str
+    worker_id: str
+    attempt: int = Field(default=0, ge=0)
+    code: ErrorCode
+    message: str
 
 
 class PrefillJob(Message):

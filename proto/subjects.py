@@ -10,6 +10,9 @@ Layout (``ss`` is the product prefix; ``{tenant}`` and ``{worker}`` are single t
   ss.decode.{worker}.job          router -> decoder: DecodeJob (direct path, decoder prefills locally)
   ss.decode.{worker}.reserve      prefiller -> decoder, request/reply: KvReserveRequest -> KvReserveReply
   ss.decode.{worker}.kvready      prefiller -> decoder: PrefillDone (KV landed; carries the decode job)
+  ss.decode.{worker}.revoke       router -> decoder, request/reply: RevokeJob -> RevokeReply (the request
+                                  moved elsewhere: drop this attempt silently)
+  ss.evt.bounced.{tenant}.{req}   prefiller -> routers: JobBounced (the KV hand-off failed; dispatch again)
   ss.hb.{role}.{worker}           every service: Heartbeat
   ss.kv.{worker}                  workers: KvEventBatch (blocks stored/removed/cleared), sequenced
   ss.kv.{worker}.held             index -> worker, request/reply: KvHeldRequest -> KvHeld (resync after a gap)
@@ -81,6 +84,16 @@ class Subjects:
     @staticmethod
     def kv_ready(worker: str) -> str:
         return f"ss.decode.{check_token(worker, 'worker id')}.kvready"
+
+    @staticmethod
+    def revoke(worker: str) -> str:
+        return f"ss.decode.{check_token(worker, 'worker id')}.revoke"
+
+    @staticmethod
+    def bounced(tenant: str, request_id: str) -> str:
+        return f"ss.evt.bounced.{check_token(tenant, 'tenant')}.{check_token(request_id, 'request id')}"
+
+    BOUNCED_ALL = "ss.evt.bounced.>"
 
     @staticmethod
     def heartbeat(role: str, worker: str) -> str:

@@ -16,10 +16,12 @@ def main(
     worker_id: str = typer.Option("cache-index-0"),
     snapshot_interval_s: float = typer.Option(5.0, help="seconds between index snapshots"),
     log_level: str = cli.LogLevel,
+    drain_timeout_s: float = cli.DrainTimeout,
 ) -> None:
     from services.cache_index.service import CacheIndexService
 
-    run_service(CacheIndexService(worker_id, nats_url, snapshot_interval_s=snapshot_interval_s, log_level=log_level))
+    run_service(CacheIndexService(worker_id, nats_url, snapshot_interval_s=snapshot_interval_s, log_level=log_level,
+                                  drain_timeout_s=drain_timeout_s))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ Threads = typer.Option(None, help="torch intra-op threads")
 BlockSize = typer.Option(16, help="KV block size in tokens")
 Transport = typer.Option("nixl", help="KV transport: nixl | tcp")
 LogLevel = typer.Option("INFO")
+DrainTimeout = typer.Option(10.0, envvar="SPLITSERVE_DRAIN_TIMEOUT_S",
+                            help="on SIGTERM: at most this long to finish what the service holds before handing "
+                                 "it over (routers move a decoder's streams elsewhere) and exiting")
 Cpus = typer.Option(None, help="pin to these cores, e.g. '0' or '0-3,6' (torch threads follow)")
 
 # vllm engine only (ignored by hf and mock); `splitserve up` passes the environment on, so the

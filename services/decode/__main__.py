@@ -33,6 +33,7 @@ def main(
     pool: str = typer.Option("general", help="context pool: 'long' decoders take the prompts of at least the "
                              "router's --long-prompt-tokens, so they never slow the general pool's streams"),
     log_level: str = cli.LogLevel,
+    drain_timeout_s: float = cli.DrainTimeout,
     kv_connector: str = cli.KvConnector,
     kv_backend: str = cli.KvBackend,
     vllm_max_model_len: int = cli.VllmMaxModelLen,
@@ -65,7 +66,7 @@ def main(
     run_service(DecodeService(worker_id, nats_url, opts=opts, landing_tokens=landing_tokens,
                               max_batch=max_batch, cache_tokens=cache_tokens, l1_tokens=l1_tokens,
                               prefill_chunk=prefill_chunk, max_retire_copy_tokens=max_retire_copy_tokens,
-                              pool=pool, log_level=log_level))
+                              pool=pool, log_level=log_level, drain_timeout_s=drain_timeout_s))
 
 
 if __name__ == "__main__":

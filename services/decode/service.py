@@ -5,6 +5,13 @@ prefiller's push), PrefillDone (the KV landed: continue from it). One engine loo
 between batched decode steps and streams every token to the request's stream subject in order
 (``seq`` 0, 1, ...), then one StreamFinal, or one StreamError. A RequestFinished event closes the
 router's in-flight record.
+
+Migration: a DecodeJob may continue a request whose previous decoder died (``resume_token_ids``,
+``start_seq``): the KV covers prompt + those tokens, they count as output already sent, and the stream goes
+on at ``start_seq``. A RevokeJob from the router drops an attempt silently (the request moved elsewhere).
+KV that fails to land is not an error for the caller: the decoder prefills the request locally instead.
+On SIGTERM the decoder takes no new work (heartbeats say ``draining``), finishes its streams within the
+drain bound, and hands the rest over (they stop here without a terminal message; the router migrates them).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from proto import (
     KvReserveRequest,
     PrefillDone,
     RequestFinished,
+    RevokeJob,
+    RevokeReply,
     StreamDelta,
     StreamError,
     StreamFinal,
@@ -134,6 +143,9 @@ class DecodeService(Service):
         self.active: dict[str, Sequence] = {}
         self.reservations: dict[str, Reservation] = {}
         self.cancelled: dict[str, None] = {}  # recently cancelled request ids, insertion-ordered, bounded
+        self.revoked: dict[str, int] = {}  # request id -> highest attempt revoked here (bounded, insertion-ordered)
+        self._loop_task: asyncio.Task[None] | None = None
+        self.admitting: str | None = None  # the request being admitted (prefilled) now: held, though in no list
         self._wake = asyncio.Event()
         self.thread = EngineThread(f"decode-{worker_id}")
         # One decode.stream span per admitted sequence, open until it finishes or fails: decode jobs arrive
@@ -162,17 +174,41 @@ class DecodeService(Service):
         await b.subscribe(Subjects.kv_reserve(self.worker_id), KvReserveRequest, self.on_reserve)
         await b.subscribe(Subjects.kv_ready(self.worker_id), PrefillDone, self.on_kv_ready, concurrent=True)
         await b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel)
+        await b.subscribe(Subjects.revoke(self.worker_id), RevokeJob, self.on_revoke)
         if self.kv_events is not None:
             await self.kv_events.start()
-        b.spawn(self._engine_loop())
+        self._loop_task = b.spawn(self._engine_loop())
         b.spawn(self._lease_sweeper())
 
-    async def shutdown(self) -> None:
-        for seq in list(self.active.values()):
-            await self._error(seq.job, ErrorCode.WORKER_DIED, f"decode worker {self.worker_id} is shutting down")
+    async def drain(self) -> None:
+        # Jobs routed before the routers saw "draining" still arrive and are served like the rest.
+        while self.active or self.pending or self.reservations or self.admitting:
+            await asyncio.sleep(0.05)
+
+    async def hand_over(self) -> None:
+        # Stop the engine loop first: no delta may follow the "stopped" heartbeat the routers migrate on (NATS
+        # keeps one connection's messages in order, so the router has seen every token the caller has).
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._loop_task
+        ids = self.active_requests()
+        for rid in list(self.active):
+            sp = self.stream_spans.pop(rid, None)
+            if sp is not None:
+                sp.set_attribute("handed_over", True)
+                sp.end()
+        self.log.info("handed_over", requests=ids)
+        self.active.clear()
         for adm in list(self.pending):
             self._release(adm)
-            await self._error(adm.job, ErrorCode.WORKER_DIED, f"decode worker {self.worker_id} is shutting down")
+        self.pending.clear()
+        for res in self.reservations.values():
+            self.pool.free(res.block_ids)
+        self.reservations.clear()
+
+    async def shutdown(self) -> None:
+        # Anything still held was handed over at the end of the drain (the routers migrate it).
         self.receiver.close()
         self.thread.close()
 
@@ -182,7 +218,7 @@ class DecodeService(Service):
             active_seqs=len(self.active),
             max_seqs=self.max_batch,
             queued_requests=len(self.pending),
-            queued_prefill_tokens=sum(len(a.job.prompt_token_ids) for a in self.pending if a.kv is None),
+            queued_prefill_tokens=sum(len(a.job.context_token_ids()) for a in self.pending if a.kv is None),
             free_blocks=self.pool.num_free if hasattr(self, "pool") else 0,
             total_blocks=self.pool.num_blocks if hasattr(self, "pool") else 0,
             reserved_blocks=reserved,
@@ -194,7 +230,7 @@ class DecodeService(Service):
         )
 
     def active_requests(self) -> list[str]:
-        return [*self.active, *(a.job.request_id for a in self.pending),
+        return [*self.active, *(a.job.request_id for a in self.pending), *([self.admitting] if self.admitting else []),
                 *(r.request_id for r in self.reservations.values())]
 
     def heartbeat_extra(self) -> dict[str, Any]:
@@ -205,7 +241,43 @@ class DecodeService(Service):
                 "block_size": self.opts.block_size, "pool": self.pool_name}
 
     # --- inputs ---------------------------------------------------------------------------------------
+    def _is_revoked(self, job: DecodeJob) -> bool:
+        return job.attempt <= self.revoked.get(job.request_id, -1)
+
+    async def on_revoke(self, r: RevokeJob, msg: Msg) -> None:
+        """The router moves the request elsewhere: drop this attempt (and older ones) without a word to the
+        caller. A sequence already decoding is kept unless forced: the router then leaves it here."""
+        rid = r.request_id
+        seq = self.active.get(rid)
+        landed = [a for a in self.pending if a.job.request_id == rid and a.kv is not None]
+        if not r.force and ((seq is not None and seq.job.attempt >= r.attempt) or landed or rid == self.admitting):
+            await self.b.respond(msg, RevokeReply(request_id=rid, revoked=False, running=True))
+            return
+        self.revoked[rid] = max(r.attempt, self.revoked.get(rid, -1))
+        while len(self.revoked) > 4096:
+            self.revoked.pop(next(iter(self.revoked)))
+        if seq is not None and seq.job.attempt <= r.attempt:
+            self.active.pop(rid, None)
+            with contextlib.suppress(Exception):
+                await self.thread.run(self._retire, rid, [], False)
+            sp = self.stream_spans.pop(rid, None)
+            if sp is not None:
+                sp.set_attribute("revoked", True)
+                sp.end()
+        for adm in [a for a in self.pending if a.job.request_id == rid and a.job.attempt <= r.attempt]:
+            self.pending.remove(adm)
+            self._release(adm)
+        for tid, res in list(self.reservations.items()):
+            if res.request_id == rid:
+                # Its prefiller is gone (or the router gave up on it): no push is coming any more.
+                self.reservations.pop(tid, None)
+                self.pool.free(res.block_ids)
+        self.log.info("revoked", request_id=rid, attempt=r.attempt, force=r.force, reason=r.reason)
+        await self.b.respond(msg, RevokeReply(request_id=rid, revoked=True))
+
     async def on_job(self, job: DecodeJob, msg: Msg) -> None:
+        if self._is_revoked(job):
+            return
         self.pending.append(Admission(job=job, headers=dict(msg.headers or {})))
         self._wake.set()
 
@@ -253,9 +325,9 @@ class DecodeService(Service):
 
     async def _finish_unstarted(self, job: DecodeJob, reason: str) -> None:
         """Final message for a request cancelled or expired before it produced a token."""
-        usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=0)
+        usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(job.resume_token_ids))
         await self.b.publish(job.stream_subject, StreamFinal(
-            request_id=job.request_id, seq=0, token_ids=[], text="",
+            request_id=job.request_id, seq=job.start_seq, token_ids=job.resume_token_ids, text=job.resume_text,
             finish_reason=reason,  # type: ignore[arg-type]
             usage=usage, route=job.route, prefill_worker=job.prefill_worker, decode_worker=self.worker_id,
             decision=job.decision))
@@ -266,6 +338,12 @@ class DecodeService(Service):
 
     async def on_kv_ready(self, done: PrefillDone, msg: Msg) -> None:
         res = self.reservations.pop(done.kv.transfer_id, None)
+        if self._is_revoked(done.decode):
+            if res is not None:
+                with contextlib.suppress(Exception):
+                    await self.receiver.wait(res.transfer_id, timeout=10.0)
+                self.pool.free(res.block_ids)
+            return
         if res is not None and done.request_id in self.cancelled:
             # Cancelled while prefilling: the push is complete, so its landing blocks can be reused safely.
             with contextlib.suppress(Exception):
@@ -274,9 +352,12 @@ class DecodeService(Service):
             await self._finish_unstarted(done.decode, "cancelled")
             return
         if res is None:
-            await self._error(done.decode, ErrorCode.KV_TRANSFER_FAILED,
-                              f"KV reservation {done.kv.transfer_id} on decoder {self.worker_id} is unknown or "
-                              f"expired (lease {self.lease_s:.0f}s)")
+            # The KV cannot be trusted (lease expired, maybe reused): the job itself is intact, so prefill here.
+            self.log.warning("kv_unusable_prefilling_locally", request_id=done.request_id,
+                             reason=f"KV reservation {done.kv.transfer_id} is unknown or expired "
+                                    f"(lease {self.lease_s:.0f}s)")
+            self.pending.append(Admission(job=done.decode, headers=dict(msg.headers or {})))
+            self._wake.set()
             return
         try:
             await self.receiver.wait(res.transfer_id, timeout=10.0)
@@ -285,7 +366,10 @@ class DecodeService(Service):
             kv = self.pool.source(res.block_ids, done.kv.num_tokens)
         except Exception as exc:
             self.pool.free(res.block_ids)
-            await self._error(done.decode, ErrorCode.KV_TRANSFER_FAILED, f"KV did not land: {exc}")
+            self.log.warning("kv_unusable_prefilling_locally", request_id=done.request_id,
+                             reason=f"KV did not land: {exc}")
+            self.pending.append(Admission(job=done.decode, headers=dict(msg.headers or {})))
+            self._wake.set()
             return
         self.pending.append(Admission(job=done.decode, kv=kv, blocks=list(res.block_ids),
                                       first_token=done.first_token,
@@ -332,14 +416,23 @@ class DecodeService(Service):
             adm.blocks, adm.kv = None, None
 
     async def _admit(self, adm: Admission) -> None:
+        self.admitting = adm.job.request_id
         try:
             await self._admit_one(adm)
         finally:
+            self.admitting = None
             self._release(adm)
 
     async def _admit_one(self, adm: Admission) -> None:
         job = adm.job
         started_ms = adm.started_ms or now_ms()
+        if self._is_revoked(job):
+            return
+        if job.request_id in self.active:
+            # A duplicate (or a stray job for a running request): the engine holds one sequence per id, and
+            # adding it again would fail the whole batch.
+            self.log.warning("duplicate_job_ignored", request_id=job.request_id, attempt=job.attempt)
+            return
         if job.request_id in self.cancelled:
             await self._finish_unstarted(job, "cancelled")
             return
@@ -349,22 +442,24 @@ class DecodeService(Service):
         sampling = engine_sampling(job.sampling, len(job.prompt_token_ids), self.engine.info.eos_token_ids)
         kv, first, prefill_ms = adm.kv, adm.first_token, adm.prefill_ms
         first_lp = adm.first_logprob
+        context = job.context_token_ids()
         with tracing.span_from(adm.headers, "decode.admit", request_id=job.request_id, tenant=job.tenant,
                                route=str(job.route), prompt_tokens=len(job.prompt_token_ids),
+                               attempt=job.attempt, resumed_tokens=len(job.resume_token_ids),
                                queue_wait_ms=round(max(0.0, now_ms() - (adm.started_ms or job.routed_ms)), 2),
                                prefill_worker=job.prefill_worker) as asp, \
                 structlog.contextvars.bound_contextvars(request_id=job.request_id, tenant=job.tenant):
             if kv is None:
                 t0 = time.perf_counter()
                 try:
-                    res = await self._local_prefill(job.prompt_token_ids, sampling)
+                    res = await self._local_prefill(context, sampling)
                 except PromptTooLong as exc:
                     await self._error(job, ErrorCode.PROMPT_TOO_LONG, str(exc))
                     return
                 prefill_ms = (time.perf_counter() - t0) * 1000
                 kv, first = res.kv, res.first_token
                 first_lp = self._wire_lp(res.first_logprobs)
-                adm.cached_tokens = len(job.prompt_token_ids) - res.num_computed_tokens
+                adm.cached_tokens = max(0, len(job.prompt_token_ids) - res.num_computed_tokens)
             assert first is not None
             await self.thread.run(self.engine.add_sequence, job.request_id, kv, first, sampling)
             tracing.set_attrs(asp, cached_tokens=adm.cached_tokens,
@@ -375,17 +470,28 @@ class DecodeService(Service):
                 "decode.stream", context=tracing.extract(adm.headers),
                 attributes={"request_id": job.request_id, "tenant": job.tenant, "route": str(job.route),
                             **self._gen_ai(job)})
+        # a resumed job's tokens so far count towards min_tokens
+        stop = StopChecker(job.sampling.stop, () if job.sampling.ignore_eos else self.engine.info.eos_token_ids,
+                           self._max_new(job), min_tokens=max(0, job.sampling.min_tokens - len(job.resume_token_ids)))
+        if job.resume_token_ids:
+            stop.pending = self._withheld_text(job)
         seq = Sequence(
             job=job,
-            detok=IncrementalDetokenizer(self.engine, job.prompt_token_ids),
-            stop=StopChecker(job.sampling.stop, () if job.sampling.ignore_eos else self.engine.info.eos_token_ids,
-                             self._max_new(job), min_tokens=job.sampling.min_tokens),
+            detok=IncrementalDetokenizer(self.engine, context),
+            stop=stop,
+            generated=list(job.resume_token_ids),
+            text=job.resume_text,
+            seq_no=job.start_seq,
             cached_tokens=adm.cached_tokens,
             kv_bytes=adm.kv_bytes,
             timings=Timings(queue_ms=job.routed_ms - job.created_ms, dispatch_ms=started_ms - job.created_ms,
                             prefill_ms=prefill_ms,
                             transfer_ms=adm.transfer_ms),
         )
+        if self._is_revoked(job):  # revoked while it prefilled: it runs elsewhere now
+            await self.thread.run(self._retire, job.request_id, [], False)
+            self.stream_spans.pop(job.request_id, trace.INVALID_SPAN).end()
+            return
         self.active[job.request_id] = seq
         await self._emit(seq, first, first_lp)
 
@@ -426,8 +532,24 @@ class DecodeService(Service):
             self.store.insert(tokens[: kv.shape[3]], kv)
 
     def _max_new(self, job: DecodeJob) -> int:
-        # Cap at the model's context: one sequence at the limit would stop the whole batch (ContextFull).
-        return max(1, min(job.sampling.max_tokens, self.engine.room_for(len(job.prompt_token_ids))))
+        # Cap at the model's context: one sequence at the limit would stop the whole batch (ContextFull). A
+        # resumed job has already produced resume_token_ids of its max_tokens.
+        left = job.sampling.max_tokens - len(job.resume_token_ids)
+        return max(1, min(left, self.engine.room_for(len(job.context_token_ids()))))
+
+    def _withheld_text(self, job: DecodeJob) -> str:
+        """Text of the resumed tokens the caller has not seen: the previous decoder withheld it as a possible
+        start of a stop string. Decoded as the detokenizer would have (a few prompt tokens of left context);
+        empty when it cannot be told apart reliably (a character still incomplete)."""
+        from splitserve.engines.detok import CONTEXT_TOKENS, REPLACEMENT_CHAR
+
+        if not job.sampling.stop:
+            return ""
+        left = job.prompt_token_ids[-CONTEXT_TOKENS:]
+        full = self.engine.decode([*left, *job.resume_token_ids])[len(self.engine.decode(left)):]
+        if full.endswith(REPLACEMENT_CHAR) or not full.startswith(job.resume_text):
+            return ""
+        return full[len(job.resume_text):]
 
     async def _step(self) -> None:
         t0 = time.perf_counter()
@@ -454,7 +576,7 @@ class DecodeService(Service):
         if job.deadline_ms is not None and now_ms() > job.deadline_ms:
             await self._finish(seq, "expired")  # stop decoding and free the KV; the caller keeps what it got
             return
-        if seq.seq_no == 0:
+        if seq.seq_no == 0 and not job.resume_token_ids:
             seq.timings.ttft_server_ms = now_ms() - job.created_ms
         seq.generated.append(token)
         seq.token_times.append(time.perf_counter())
@@ -475,7 +597,7 @@ class DecodeService(Service):
 
     async def _finish(self, seq: Sequence, reason: str) -> None:
         job = seq.job
-        await self._drop(job.request_id, [*job.prompt_token_ids, *seq.generated])
+        await self._drop(job.request_id, [*job.prompt_token_ids, *seq.generated])  # generated includes resumed
         seq.timings.total_ms = now_ms() - job.created_ms
         usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(seq.generated),
                       cached_tokens=seq.cached_tokens)

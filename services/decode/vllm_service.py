@@ -75,6 +75,14 @@ class VllmDecodeService(DecodeService):
         if self.bridge is not None:
             await self.bridge.start()
 
+    async def drain(self) -> None:
+        while self.tasks:
+            await asyncio.sleep(0.05)
+
+    async def hand_over(self) -> None:
+        # No resume support on this engine yet (see on_job): what is still running ends with worker_died.
+        pass
+
     async def shutdown(self) -> None:
         for seq in list(self.active.values()):
             await self._error(seq.job, ErrorCode.WORKER_DIED, f"decode worker {self.worker_id} is shutting down")
@@ -106,6 +114,10 @@ class VllmDecodeService(DecodeService):
 
     # --- inputs ---------------------------------------------------------------------------------------
     async def on_job(self, job: DecodeJob, msg: Msg) -> None:
+        if job.resume_token_ids:
+            await self._error(job, ErrorCode.WORKER_DIED, f"the request's worker died after {job.start_seq} "
+                              f"deltas and decoder {self.worker_id} (vLLM) cannot resume a moved request")
+            return
         self._start(job, dict(msg.headers or {}), None, None)
 
     async def on_reserve(self, req: KvReserveRequest, msg: Msg) -> None:
@@ -115,6 +127,10 @@ class VllmDecodeService(DecodeService):
 
     async def on_kv_ready(self, done: PrefillDone, msg: Msg) -> None:
         params = getattr(done, "kv_transfer_params", None)
+        if done.decode.resume_token_ids:
+            await self._error(done.decode, ErrorCode.WORKER_DIED, f"decoder {self.worker_id} (vLLM) cannot resume "
+                              "a moved request")
+            return
         if params is None:
             await self._error(done.decode, ErrorCode.KV_TRANSFER_FAILED,
                               f"decoder {self.worker_id} runs vLLM and needs the prefiller's kv_transfer_params")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from services.common.cli import LogLevel, NatsUrl
+from services.common.cli import DrainTimeout, LogLevel, NatsUrl
 from splitserve.runtime.service import run_service
 
 app = typer.Typer(add_completion=False)
@@ -29,6 +29,7 @@ def main(
                                            help="web console admin keys (a list, or one per line); also "
                                                 "SPLITSERVE_CONSOLE_ADMIN_KEYS (comma-separated)"),
     log_level: str = LogLevel,
+    drain_timeout_s: float = DrainTimeout,
 ) -> None:
     from services.frontend.app import load_api_keys
     from services.frontend.console import admin_keys_from_env, load_admin_keys
@@ -62,7 +63,8 @@ def main(
     if keys and set(keys) & set(admins):
         raise typer.BadParameter("a console admin key is also a tenant's API key", param_hint="--admin-keys")
     run_service(FrontendService(worker_id, nats_url, host=host, port=port, model_name=model_name, api_keys=keys,
-                                admin_keys=admins, tenants=cfg, log_level=log_level))
+                                admin_keys=admins, tenants=cfg, log_level=log_level,
+                                drain_timeout_s=drain_timeout_s))
 
 
 if __name__ == "__main__":

@@ -117,6 +117,15 @@ class FrontendService(Service):
         self.log.info("http_listening", url=self.url, openai_base_url=f"{self.url}/v1",
                       auth="api-keys" if self.api_keys else "none")
 
+    async def drain(self) -> None:
+        # Stop accepting connections; open requests (streams included) run to their end within the bound.
+        if self._server is None or self._serve_task is None:
+            return
+        self._server.config.timeout_graceful_shutdown = max(self.graceful_s, int(self.drain_timeout_s))
+        self._server.should_exit = True
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.shield(self._serve_task)
+
     async def shutdown(self) -> None:
         if self._server is None or self._serve_task is None:
             return

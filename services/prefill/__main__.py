@@ -26,6 +26,7 @@ def main(
     l1_tokens: int = typer.Option(0, help="CPU L1 prefix-cache tier capacity in tokens (0 = off)"),
     layerwise: bool = typer.Option(True, help="push each layer's KV as soon as it is computed"),
     log_level: str = cli.LogLevel,
+    drain_timeout_s: float = cli.DrainTimeout,
     kv_connector: str = cli.KvConnector,
     kv_backend: str = cli.KvBackend,
     vllm_max_model_len: int = cli.VllmMaxModelLen,
@@ -51,7 +52,7 @@ def main(
         run_service(VllmPrefillService(worker_id, nats_url, opts=opts, vllm=vopts, log_level=log_level))
         return
     run_service(PrefillService(worker_id, nats_url, opts=opts, cache_tokens=cache_tokens, l1_tokens=l1_tokens,
-                               layerwise=layerwise, log_level=log_level))
+                               layerwise=layerwise, log_level=log_level, drain_timeout_s=drain_timeout_s))
 
 
 if __name__ == "__main__":

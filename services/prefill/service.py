@@ -4,6 +4,11 @@ For each PrefillJob (one at a time; prefill is compute-bound and the engine is s
 reserve landing blocks on the named decoder (waiting while its buffer is full, never dropping the job),
 compute the KV, push it with the KV transport straight into those blocks, then publish PrefillDone with
 the first token to the decoder. KV bytes never travel over NATS.
+
+A job whose hand-off to the decoder fails (the decoder is gone, refuses or times out the reservation, the push
+fails) is bounced to the routers (JobBounced), not failed: the router dispatches it again. A resumed job
+(migration) is computed over prompt + the tokens already produced. On SIGTERM the prefiller finishes its queue
+within the drain bound; jobs still queued then are handed over (the routers re-dispatch them).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from proto import (
     CancelRequest,
     DecodeJob,
     ErrorCode,
+    JobBounced,
     KvHandle,
     KvReserveReply,
     KvReserveRequest,
@@ -51,6 +57,8 @@ from splitserve.runtime.service import Service
 
 # Prompts shorter than this are pushed in one piece after prefill (see _run).
 LAYERWISE_MIN_TOKENS = 256
+# Failures of the hand-off to the decoder, which another decoder (or this one, later) may not have.
+BOUNCE_CODES = frozenset({ErrorCode.WORKER_DIED, ErrorCode.KV_TRANSFER_FAILED, ErrorCode.TIMEOUT})
 
 
 class JobFailed(Exception):
@@ -87,6 +95,7 @@ class PrefillService(Service):
         self.queue: deque[tuple[PrefillJob, dict[str, str]]] = deque()
         self.current: DecodeJob | None = None
         self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
         self.thread = EngineThread(f"prefill-{worker_id}")
 
     async def setup(self) -> None:
@@ -111,18 +120,30 @@ class PrefillService(Service):
         await self.b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel)
         if self.kv_events is not None:
             await self.kv_events.start()
-        self.b.spawn(self._loop())
+        self._loop_task = self.b.spawn(self._loop())
+
+    async def drain(self) -> None:
+        while self.queue or self.current is not None:
+            await asyncio.sleep(0.05)
+
+    async def hand_over(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._loop_task
+        self.log.info("handed_over", requests=self.active_requests())
+        self.queue.clear()
+        self.current = None
 
     async def shutdown(self) -> None:
-        for job, _ in list(self.queue):
-            await self._fail(job.decode, ErrorCode.WORKER_DIED, f"prefill worker {self.worker_id} is shutting down")
+        # Jobs still queued were handed over at the end of the drain (the routers re-dispatch them).
         self.sender.close()
         self.thread.close()
 
     def load(self) -> WorkerLoad:
-        queued = sum(len(j.decode.prompt_token_ids) for j, _ in self.queue)
+        queued = sum(len(j.decode.context_token_ids()) for j, _ in self.queue)
         if self.current is not None:
-            queued += len(self.current.prompt_token_ids)
+            queued += len(self.current.context_token_ids())
         return WorkerLoad(active_seqs=int(self.current is not None), queued_requests=len(self.queue),
                           queued_prefill_tokens=queued,
                           cached_blocks=sum(self.store.stats().blocks.values()) if self.store is not None else 0)
@@ -147,9 +168,10 @@ class PrefillService(Service):
             job = item[0].decode
             if job.request_id == c.request_id and job.tenant == c.tenant:
                 self.queue.remove(item)
-                usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=0)
+                usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(job.resume_token_ids))
                 await self.b.publish(job.stream_subject, StreamFinal(
-                    request_id=job.request_id, seq=0, token_ids=[], text="", finish_reason="cancelled",
+                    request_id=job.request_id, seq=job.start_seq, token_ids=job.resume_token_ids,
+                    text=job.resume_text, finish_reason="cancelled",
                     usage=usage, route=job.route, prefill_worker=self.worker_id, decode_worker=job.decoder_id,
                     decision=job.decision))
                 await self.b.publish(Subjects.finished(job.tenant, job.request_id), RequestFinished(
@@ -190,7 +212,7 @@ class PrefillService(Service):
 
     async def _reserve(self, job: DecodeJob) -> KvReserveReply:
         req = KvReserveRequest(request_id=job.request_id, prefill_worker=self.worker_id,
-                               num_tokens=len(job.prompt_token_ids), transport=self.opts.transport)
+                               num_tokens=len(job.context_token_ids()), transport=self.opts.transport)
         give_up = time.monotonic() + self.reserve_wait_s
         waited = False
         while True:
@@ -222,7 +244,7 @@ class PrefillService(Service):
         started_ms = now_ms()
         if job.deadline_ms is not None and now_ms() > job.deadline_ms:
             raise JobFailed(ErrorCode.EXPIRED, "the request's deadline passed before prefill started")
-        ids = job.prompt_token_ids
+        ids = job.context_token_ids()
         if len(ids) >= self.engine.info.max_model_len:
             raise JobFailed(ErrorCode.PROMPT_TOO_LONG,
                             f"prompt has {len(ids):,} tokens; model max is {self.engine.info.max_model_len - 1:,}")
@@ -326,6 +348,14 @@ class PrefillService(Service):
         return res
 
     async def _fail(self, job: DecodeJob, code: ErrorCode, message: str) -> None:
+        if code in BOUNCE_CODES:
+            # The hand-off failed, not the request: the router dispatches it again (bounded migrations).
+            self.log.warning("job_bounced", request_id=job.request_id, code=str(code), reason=message,
+                             attempt=job.attempt)
+            await self.b.publish(Subjects.bounced(job.tenant, job.request_id), JobBounced(
+                request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id, attempt=job.attempt,
+                code=code, message=message))
+            return
         self.log.warning("request_failed", request_id=job.request_id, code=str(code), reason=message)
         await self.b.publish(job.stream_subject, StreamError(request_id=job.request_id, code=code, message=message,
                                                              worker=self.worker_id))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from services.common import cli
 from splitserve.runtime.service import run_service
 
 app = typer.Typer(add_completion=False)
@@ -33,7 +34,10 @@ def main(
                                            "when one is running (decoders started with --pool long)"),
     request_ttl_s: float = typer.Option(900.0, help="how long the request registry (SS_REQUESTS) remembers a "
                                         "request id: longer than any request waits or runs"),
+    max_migrations: int = typer.Option(2, min=0, help="times a request whose worker died is moved to another "
+                                       "one before it ends with worker_died (0: never moved)"),
     log_level: str = typer.Option("INFO"),
+    drain_timeout_s: float = cli.DrainTimeout,
 ) -> None:
     from services.router.service import RouterService
 
@@ -42,8 +46,8 @@ def main(
                               max_stall_ms=max_stall_ms if max_stall_ms > 0 else None,
                               decoder_prefill_tps=decoder_prefill_tps, tenants_file=tenants, queue=queue,
                               queue_ack_wait_s=queue_ack_wait_s, long_prompt_tokens=long_prompt_tokens,
-                              request_ttl_s=request_ttl_s,
-                              log_level=log_level))
+                              request_ttl_s=request_ttl_s, max_migrations=max_migrations, log_level=log_level,
+                              drain_timeout_s=drain_timeout_s))
 
 
 if __name__ == "__main__":

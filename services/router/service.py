@@ -7,10 +7,20 @@ store the request durably in its tenant's queue (``services.router.workqueue``) 
 Dispatch: while decoders have free slots, the fair scheduler (``splitserve.tenancy.fairshare``) picks the
 tenant to serve next by weighted tokens; the router pulls that tenant's next request, asks the routing
 policy for a decision, and publishes a PrefillJob (disaggregated) or DecodeJob (direct). It tracks every
-request it dispatched until the worker reports it finished (then acks its queue message), so that when a
-worker dies the caller gets a terminal ``worker_died`` error instead of a hang, and when the router itself
-dies its requests are redelivered: one still running is adopted, one already finished is dropped, the
-rest are dispatched again.
+request it dispatched until the worker reports it finished (then acks its queue message), and when the
+router itself dies its requests are redelivered: one still running is adopted, one already finished is
+dropped, the rest are dispatched again.
+
+Migration (``_worker_lost`` / ``_migrate``): the router listens to the stream of every request it dispatched,
+so it knows the tokens the caller has received. When the decoder holding a request dies (heartbeats stop, or
+it stops after a drain), or its prefiller dies before the KV landed, or a prefiller bounces the job (the KV
+hand-off failed), the request is routed again by the usual rules over prompt + tokens so far, and the new
+decoder continues the stream at the next seq number: the caller sees one unbroken stream. After
+``max_migrations`` moves the request ends with ``worker_died`` naming the count.
+
+Drain (SIGTERM): intake stops (other routers of the queue group take new requests), dispatch stops (queued
+requests wait for the other routers), and in-flight requests are followed until they end or the drain
+bound runs out (their queue messages are then redelivered to another router, which adopts them).
 
 Several routers (``splitserve up --routers N``) share one behaviour through JetStream
 (``services.router.shared``): a request id is registered once cluster-wide at intake and every state change
@@ -33,9 +43,12 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import DiscardPolicy, StreamConfig
 from opentelemetry import trace
 from opentelemetry.trace import SpanContext
@@ -50,6 +63,7 @@ from proto import (
     FairShareReport,
     GenerateRequest,
     Heartbeat,
+    JobBounced,
     KvEventBatch,
     PrefillJob,
     QueuedRequest,
@@ -57,7 +71,10 @@ from proto import (
     QueueReportRequest,
     RequestFinished,
     RequestRecord,
+    RevokeJob,
+    RevokeReply,
     Route,
+    StreamDelta,
     StreamError,
     StreamFinal,
     Subjects,
@@ -86,10 +103,12 @@ _REFUSAL_CODES = {"unknown_tenant": ErrorCode.UNKNOWN_TENANT, "quota_exceeded": 
                   "prompt_too_long": ErrorCode.PROMPT_TOO_LONG, "bad_request": ErrorCode.BAD_REQUEST}
 MAX_DELIVERIES = 5  # a request that took down this many routers is failed instead of tried again
 REGISTRY_WARMUP_S = 1.5  # three heartbeat intervals
-# A job no heartbeat of its worker listed this long after it was sent (or after this router's connection came
-# back: what it published meanwhile was flushed then), while that worker kept heartbeating, never reached it:
-# the NATS node between them died with it in flight. Workers list a request until its end is stored.
+# A job is lost in transit when its worker heartbeats this long after it was sent (or after this router's
+# connection came back: what it published meanwhile was flushed then) without listing it: the NATS node between
+# them died with it in flight (workers list a request until its end is stored) ...
 LOST_JOB_S = 2.0
+# ... or when no worker reports it at all within this long (sent to a worker that stopped just then).
+UNCONFIRMED_S = 5.0
 FAIR_REPORT_S = 0.25  # how often a router tells the others what it charged each tenant
 RECONCILE_S = 10.0  # how often a router checks old quota reservations against the request registry
 RECONCILE_AFTER_S = 30.0  # reservations younger than this are never questioned (their intake may be running)
@@ -122,10 +141,23 @@ class Inflight:
     routed_at: float = field(default_factory=time.monotonic)
     trace_ctx: SpanContext | None = None  # router.request's span: a later failure is recorded under it
     queue_msg: Msg | None = None  # its durable queue message, acked when the request ends
-    seen: bool = False  # a heartbeat of its worker listed it: the job reached the worker
     charged: int = 0  # tokens the fair scheduler charged at dispatch (settled at finish)
     record: RequestRecord | None = None  # its registry record (queue mode) and that record's revision
     record_rev: int = 0
+    # Migration state. ``job`` is the last job sent (None: adopted after a router restart, not movable);
+    # tokens/text/next_seq: what the caller has received, from the stream this router follows.
+    request: GenerateRequest | None = None
+    job: DecodeJob | None = None
+    attempt: int = 0
+    tokens: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    next_seq: int = 0
+    tracked: bool = True  # False once a delta was missed: the tokens so far are not known exactly
+    started: bool = False  # the current attempt's decoder has produced output
+    migrating: bool = False
+    confirmed: bool = False  # a worker of the current attempt reported it (heartbeat or stream): the job arrived
+    cancelled: bool = False  # a cancel arrived (it may have reached no worker while the request moved)
+    sub: Any = None  # the stream subscription
 
 
 class RouterService(Service):
@@ -149,9 +181,12 @@ class RouterService(Service):
         queue_ack_wait_s: float = 30.0,
         long_prompt_tokens: int = 2048,
         request_ttl_s: float = 900.0,
+        max_migrations: int = 2,
         **kw: object,
     ) -> None:
         super().__init__(worker_id, nats_url, **kw)  # type: ignore[arg-type]
+        self.max_migrations = max_migrations
+        self._intake_subs: list[Any] = []
         self.model = model
         self.strategy_name = strategy
         self.disagg_threshold = disagg_threshold
@@ -215,13 +250,14 @@ class RouterService(Service):
         await b.subscribe(Subjects.FINISHED_ALL, RequestFinished, self.on_finished)
         await b.subscribe(Subjects.KV_EVENTS_ALL, KvEventBatch, self.on_kv_events)
         await b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel)
-        await b.subscribe(Subjects.ADMIN_QUEUES, QueueReportRequest, self.on_queue_report,
-                          queue=Subjects.ROUTER_QUEUE, concurrent=True)
-        await b.subscribe(Subjects.ADMIN_ROUTE_EXPLAIN, proto.RouteExplainRequest, self.on_route_explain,
-                          queue=Subjects.ROUTER_QUEUE)
-        await b.subscribe(
+        await b.subscribe(Subjects.BOUNCED_ALL, JobBounced, self.on_bounced)
+        self._intake_subs.append(await b.subscribe(Subjects.ADMIN_QUEUES, QueueReportRequest, self.on_queue_report,
+                                                   queue=Subjects.ROUTER_QUEUE, concurrent=True))
+        self._intake_subs.append(await b.subscribe(Subjects.ADMIN_ROUTE_EXPLAIN, proto.RouteExplainRequest,
+                                                   self.on_route_explain, queue=Subjects.ROUTER_QUEUE))
+        self._intake_subs.append(await b.subscribe(
             Subjects.REQUEST_ALL, GenerateRequest, self.on_request, queue=Subjects.ROUTER_QUEUE, concurrent=True
-        )
+        ))
         b.spawn(self._reaper())
         if self.use_queue:
             await b.subscribe(Subjects.ROUTED_ALL, DispatchNote, self.on_dispatch_note)
@@ -249,7 +285,8 @@ class RouterService(Service):
                 inf = self.inflight.get(rid)
                 if inf is None:
                     continue
-                inf.seen = True
+                if hb.worker_id in (inf.decoder, inf.prefiller):
+                    inf.confirmed = True
                 if hb.role == "decode" and inf.decoder == hb.worker_id:
                     inf.holder = hb.worker_id  # a request handed from prefiller to decoder is the decoder's now
                 self.policy.release(rid, hb.worker_id)  # this worker's own load report now counts it
@@ -275,6 +312,10 @@ class RouterService(Service):
     async def _retire(self, inf: Inflight, used_tokens: int | None, status: str = "error") -> None:
         """The request ended (any outcome): settle its fair-share charge, its registry record and quota, then
         ack its queue message (after: a router dying in between leaves a redelivery that finds it finished)."""
+        if inf.sub is not None:
+            sub, inf.sub = inf.sub, None
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
         if inf.charged:
             self.fair.settle(inf.tenant, inf.charged, used_tokens if used_tokens is not None else 0)
             inf.charged = 0
@@ -310,13 +351,20 @@ class RouterService(Service):
             self.log.warning("settle_failed", request_id=rec.request_id, error=str(exc))
 
     async def _reaper(self) -> None:
+        seen_reconnects, hold_until = self.b.reconnects, 0.0
         while True:
             await asyncio.sleep(0.25)
+            now = time.monotonic()
+            if self.b.reconnects != seen_reconnects:
+                # The connection to NATS was down: every worker's heartbeats were missed alike, and they come
+                # back over the next interval. Declaring them dead now would move requests that are fine.
+                seen_reconnects, hold_until = self.b.reconnects, now + 2 * self.registry.min_timeout_s
+            if now < hold_until:
+                continue
             for wid, reason in self.registry.reap(time.monotonic(), observer=self.worker_id):
                 self.log.warning("worker_dead", dead_worker=wid, reason=reason)
                 self.policy.remove_worker(wid)
-                for inf in [i for i in self.inflight.values() if i.holder == wid]:
-                    await self._fail(inf, ErrorCode.WORKER_DIED, f"{reason} while serving this request", wid)
+                self._worker_lost(wid, reason)
             await self._expire_queued()
             try:
                 await self._check_lost_jobs()
@@ -324,36 +372,27 @@ class RouterService(Service):
                 self.log.warning("lost_job_check_failed", error=str(exc))
 
     async def _check_lost_jobs(self) -> None:
-        """Jobs lost in transit (see LOST_JOB_S): one that ended meanwhile is retired from its stored
-        RequestFinished; the rest go back to the queue (nak: redelivered now, run once more) or, without a
-        queue, fail as retryable."""
+        """Jobs lost in transit (see LOST_JOB_S, UNCONFIRMED_S): one that ended meanwhile is retired from its
+        stored RequestFinished (only its end notice was lost); the rest are sent again by the usual rules, as
+        one more attempt (``_migrate``)."""
         now = time.monotonic()
-        since = max(0.0, now - LOST_JOB_S)
-        for inf in [i for i in self.inflight.values() if not i.seen]:
-            if max(inf.routed_at, self.b.last_reconnect) > since:
+        for inf in [i for i in self.inflight.values() if not i.confirmed and not i.migrating]:
+            sent = max(inf.routed_at, self.b.last_reconnect)
+            if now - sent < LOST_JOB_S:
                 continue
             st = self.registry.workers.get(inf.holder)
-            if st is None or st.last_seen <= max(inf.routed_at, self.b.last_reconnect) + LOST_JOB_S:
-                continue  # no heartbeat from its worker since: not known to be lost (a dead one is reaped)
-            inf.seen = True  # checked once
+            heard = st is not None and st.last_seen > sent + LOST_JOB_S
+            if not heard and now - sent < UNCONFIRMED_S:
+                continue  # no heartbeat from its worker since: not known to be lost yet (a dead one is reaped)
+            inf.routed_at = now  # checked once per window
             done = await self.wq.finished_record(inf.tenant, inf.request_id)
             if done is not None:
                 await self.on_finished(done, None)  # type: ignore[arg-type]
                 continue
+            reason = (f"no worker reported job attempt {inf.attempt} (sent to {inf.holder}; lost in transit: "
+                      "a NATS node died with it in flight, or its worker stopped just then)")
             self.log.warning("job_lost_in_transit", request_id=inf.request_id, worker=inf.holder)
-            if inf.queue_msg is None:
-                await self._fail(inf, ErrorCode.WORKER_DIED, "the job never reached its worker (a NATS node "
-                                 "died with it in flight)", inf.holder)
-                continue
-            self.inflight.pop(inf.request_id, None)
-            self.policy.release(inf.request_id)
-            self.quota.finish(inf.tenant, inf.request_id, None, now)
-            if inf.charged:
-                self.fair.settle(inf.tenant, inf.charged, 0)
-                inf.charged = 0
-            msg, inf.queue_msg = inf.queue_msg, None
-            with contextlib.suppress(Exception):
-                await msg.nak()
+            self.b.spawn(self._migrate(inf, inf.attempt, reason, inf.holder, decoder_failed=False))
 
     async def _fail(self, inf: Inflight, code: ErrorCode, message: str, worker: str | None = None) -> None:
         self.inflight.pop(inf.request_id, None)
@@ -381,11 +420,190 @@ class RouterService(Service):
                             status="error", error_code=code),
         )
 
+    # --- migration: a request whose worker died continues elsewhere ------------------------------------
+    async def _track(self, inf: Inflight, req: GenerateRequest, job: DecodeJob) -> None:
+        """Remember the job and follow the request's stream (before the job goes out, so no delta is missed):
+        the tokens the caller has received are what a migration resumes from. Deltas cost the router one
+        more delivery each; heartbeats carrying tokens would be cheaper but lag, and a resume from an older
+        point would send the caller tokens twice. A non-streaming request has no deltas: it restarts."""
+        inf.request, inf.job = req, job
+        if not req.stream:
+            return
+        rid = req.request_id
+
+        async def on_msg(raw: Msg) -> None:
+            if self.inflight.get(rid) is inf:
+                self._on_stream(inf, raw.data)
+
+        try:
+            inf.sub = await self.b.nc.subscribe(req.stream_subject, cb=on_msg)
+        except Exception as exc:  # not fatal: the request just cannot be moved
+            inf.tracked = False
+            self.log.warning("stream_follow_failed", request_id=rid, error=str(exc))
+
+    def _on_stream(self, inf: Inflight, data: bytes) -> None:
+        try:
+            msg = proto.decode_stream(data)
+        except proto.ProtocolError:
+            return
+        inf.started = inf.confirmed = True
+        if not isinstance(msg, StreamDelta):
+            return
+        if msg.seq == inf.next_seq:
+            inf.tokens.extend(msg.token_ids)
+            inf.text.append(msg.text)
+            inf.next_seq += 1
+        elif msg.seq > inf.next_seq:
+            inf.tracked = False  # a delta went missing here: resuming would skip or repeat tokens
+
+    async def on_bounced(self, ev: JobBounced, _: Msg) -> None:
+        inf = self.inflight.get(ev.request_id)
+        if inf is None or inf.tenant != ev.tenant or inf.attempt != ev.attempt:
+            return
+        self.log.warning("job_bounced", request_id=ev.request_id, worker=ev.worker_id, code=str(ev.code),
+                         reason=ev.message)
+        self.b.spawn(self._migrate(inf, inf.attempt, f"{ev.message} (from {ev.worker_id})", ev.worker_id,
+                                   decoder_failed=False))
+
+    def _worker_lost(self, wid: str, reason: str) -> None:
+        for inf in list(self.inflight.values()):
+            if inf.decoder == wid or (inf.holder == wid and inf.prefiller != wid):
+                self.b.spawn(self._migrate(inf, inf.attempt, reason, wid, decoder_failed=True))
+            elif inf.prefiller == wid and not inf.started:
+                # Its KV may never come: unless the decoder already has it, send the request again.
+                self.b.spawn(self._migrate(inf, inf.attempt, reason, wid, decoder_failed=False))
+
+    async def _migrate(self, inf: Inflight, attempt: int, reason: str, failed: str, *, decoder_failed: bool) -> None:
+        """Move one attempt of a request to another worker (idempotent per attempt: several signals of the
+        same failure move it once)."""
+        if self.inflight.get(inf.request_id) is not inf or inf.attempt != attempt or inf.migrating:
+            return
+        inf.migrating = True
+        try:
+            parent = None
+            if inf.trace_ctx is not None:
+                parent = trace.set_span_in_context(trace.NonRecordingSpan(inf.trace_ctx))
+            with tracing.tracer().start_as_current_span("router.migrate", context=parent) as sp, \
+                    structlog.contextvars.bound_contextvars(request_id=inf.request_id, tenant=inf.tenant):
+                tracing.set_attrs(sp, request_id=inf.request_id, tenant=inf.tenant, failed_worker=failed,
+                                  reason=reason, attempt=attempt + 1, resumed_tokens=len(inf.tokens),
+                                  start_seq=inf.next_seq, from_decoder=inf.decoder, from_prefiller=inf.prefiller)
+                await self._migrate_once(inf, attempt, reason, failed, decoder_failed, sp)
+        except Exception as exc:  # never leave the caller waiting on a bug here
+            self.log.exception("migration_failed", request_id=inf.request_id, error=str(exc))
+            if self.inflight.get(inf.request_id) is inf:
+                await self._fail(inf, ErrorCode.INTERNAL, f"{reason}; moving the request failed: {exc}", failed)
+        finally:
+            inf.migrating = False
+
+    async def _migrate_once(self, inf: Inflight, attempt: int, reason: str, failed: str, decoder_failed: bool,
+                            sp: trace.Span) -> None:
+        log = self.log.bind(request_id=inf.request_id, tenant=inf.tenant)
+        if inf.job is None or inf.request is None or not inf.tracked:
+            why = ("adopted after a router restart" if inf.job is None
+                   else "a stream message was missed, so the tokens so far are not known exactly")
+            tracing.set_attrs(sp, migrated=False, not_movable=why)
+            await self._fail(inf, ErrorCode.WORKER_DIED, f"{reason} while serving this request (not moved: {why})",
+                             failed)
+            return
+        if attempt >= self.max_migrations:
+            tracing.set_attrs(sp, migrated=False, exhausted=True)
+            await self._fail(inf, ErrorCode.WORKER_DIED,
+                             f"{reason} while serving this request, after {attempt} migration(s) "
+                             f"(--max-migrations {self.max_migrations})", failed)
+            return
+        # Fence the previous decoder: a dead one does not answer; one only thought dead (or whose prefiller
+        # died) drops the attempt, or, when the KV has landed there and it was not the one that failed, keeps it.
+        try:
+            reply = await self.b.request(Subjects.revoke(inf.decoder), RevokeJob(
+                request_id=inf.request_id, tenant=inf.tenant, attempt=attempt, force=decoder_failed,
+                reason=reason), RevokeReply, timeout=1.0)
+        except (NoRespondersError, NatsTimeout, TimeoutError):
+            reply = None
+        if isinstance(reply, RevokeReply) and reply.running:
+            log.info("migration_not_needed", decoder=inf.decoder, reason=reason)
+            tracing.set_attrs(sp, migrated=False, kept_on=inf.decoder)
+            inf.holder = inf.decoder
+            return
+        if inf.cancelled:
+            await self._end_moved_cancelled(inf)
+            return
+        decoders = await self._wait_for_decoders()
+        if self.inflight.get(inf.request_id) is not inf:
+            return
+        if not decoders:
+            tracing.set_attrs(sp, migrated=False)
+            await self._fail(inf, ErrorCode.WORKER_DIED, f"{reason} while serving this request; no live decoder "
+                             f"to move it to within {self.no_worker_wait_s:.1f}s", failed)
+            return
+        req, old = inf.request, inf.job
+        context = [*old.prompt_token_ids, *inf.tokens]
+        now = time.monotonic()
+        views = [self._view(hb) for hb in self.registry.live("decode", now) + self.registry.live("prefill", now)]
+        rreq = RoutingRequest(request_id=req.request_id, tenant=req.tenant, token_ids=context,
+                              session_key=req.session_id, force_route=None if req.route == "auto" else req.route)
+        try:
+            decision = self.policy.decide(rreq, views, now)
+        except NoWorkers as exc:
+            await self._fail(inf, ErrorCode.WORKER_DIED, f"{reason} while serving this request; {exc}", failed)
+            return
+        route = Route(decision.route)
+        ddict = decision.to_dict()
+        job = old.model_copy(update=dict(
+            attempt=attempt + 1, resume_token_ids=list(inf.tokens), resume_text="".join(inf.text),
+            start_seq=inf.next_seq, route=route, decoder_id=decision.decoder, prefill_worker=decision.prefiller,
+            routed_ms=now_ms(), decision=ddict))
+        inf.job, inf.attempt, inf.started, inf.confirmed = job, attempt + 1, False, False
+        inf.routed_at = time.monotonic()
+        inf.decoder, inf.prefiller = decision.decoder, decision.prefiller
+        inf.holder = decision.prefiller or decision.decoder
+        tracing.set_attrs(sp, migrated=True, route=str(route.value), decoder=decision.decoder,
+                          prefiller=decision.prefiller, decision_json=ddict)
+        log.warning("migrated", attempt=attempt + 1, failed_worker=failed, reason=reason, decoder=decision.decoder,
+                    prefiller=decision.prefiller, resumed_tokens=len(inf.tokens), start_seq=inf.next_seq)
+        try:
+            if route is Route.DISAGGREGATED:
+                assert decision.prefiller is not None
+                await self.b.publish(Subjects.prefill_job(decision.prefiller), PrefillJob(decode=job))
+            else:
+                await self.b.publish(Subjects.decode_job(decision.decoder), job)
+        except PayloadTooLarge as exc:
+            await self._fail(inf, ErrorCode.PAYLOAD_TOO_LARGE, str(exc))
+
+    async def _end_moved_cancelled(self, inf: Inflight) -> None:
+        """Cancelled while it had no worker: end it here with what the caller already has."""
+        self.inflight.pop(inf.request_id, None)
+        await self._retire(inf, None)
+        job = inf.job
+        assert job is not None
+        usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(inf.tokens))
+        await self.b.publish(inf.stream_subject, StreamFinal(
+            request_id=inf.request_id, seq=inf.next_seq, token_ids=list(inf.tokens), text="".join(inf.text),
+            finish_reason="cancelled", usage=usage, route=job.route, prefill_worker=job.prefill_worker,
+            decode_worker="", decision=job.decision))
+        await self.b.publish(Subjects.finished(inf.tenant, inf.request_id), RequestFinished(
+            request_id=inf.request_id, tenant=inf.tenant, worker_id=self.worker_id, status="cancelled",
+            usage=usage, route=job.route))
+
+    # --- drain -----------------------------------------------------------------------------------------
+    async def drain(self) -> None:
+        # New requests go to the other routers of the queue group (drain() answers what was already
+        # delivered here); dispatch stops (self.draining); running requests are followed until they end.
+        for sub in self._intake_subs:
+            with contextlib.suppress(Exception):
+                await sub.drain()
+        while self.inflight:
+            await asyncio.sleep(0.05)
+
     # --- requests that end while still queued ----------------------------------------------------------
     async def on_cancel(self, c: CancelRequest, _: Msg) -> None:
         # A dispatched request is stopped by its worker; one still waiting in the queue is ended here, now,
         # and skipped when it reaches dispatch.
-        if c.request_id in self.inflight:
+        inf = self.inflight.get(c.request_id)
+        if inf is not None:
+            if inf.tenant == c.tenant:
+                inf.cancelled = True  # its worker ends it; a migration in between ends it instead of moving it
+            return
             return
         if not self.use_queue:
             if c.request_id in self._accepted_meta:
@@ -677,7 +895,7 @@ class RouterService(Service):
 
     async def _dispatch_some(self) -> bool:
         progressed = False
-        while (free := self.free_slots(time.monotonic())) > 0:
+        while not self.draining and (free := self.free_slots(time.monotonic())) > 0:
             tenant = self.fair.pick(self.wq.pending_by_tenant())
             if tenant is None:
                 break
@@ -822,7 +1040,8 @@ class RouterService(Service):
                 self.inflight[rid] = Inflight(
                     request_id=rid, tenant=req.tenant, stream_subject=req.stream_subject,
                     decoder=hb.worker_id if is_decoder else "", prefiller=None if is_decoder else hb.worker_id,
-                    holder=hb.worker_id, queue_msg=qmsg, record=mine, record_rev=new_rev)
+                    holder=hb.worker_id, queue_msg=qmsg, record=mine, record_rev=new_rev,
+                    confirmed=True)  # its worker's heartbeat lists it
                 return None
         if int(qmsg.metadata.num_delivered) > MAX_DELIVERIES:
             self._accepted_meta.pop(rid, None)
@@ -920,6 +1139,7 @@ class RouterService(Service):
                           prefiller=decision.prefiller, decision_json=ddict)
         tracing.set_attrs(sp, "decision.", **{k: v for k, v in ddict.items() if k != "request_id"})
         log.info("routed", decision=ddict, prompt_tokens=len(ids))
+        await self._track(inf, req, job)
         try:
             if route is Route.DISAGGREGATED:
                 assert decision.prefiller is not None

@@ -392,9 +392,12 @@ class Bus:
         for t in list(self._tasks):
             t.cancel()
         try:
-            await self.nc.drain()
+            # Bounded: a subscription that never drains (a JetStream pull waiting on the server) would hold the
+            # process for nats' 30 s drain timeout after a service's own drain has already finished.
+            await asyncio.wait_for(self.nc.drain(), timeout=3.0)
         except Exception:
-            await self.nc.close()
+            with contextlib.suppress(Exception):
+                await self.nc.close()
 
 
 _TERMINALS = (proto.StreamFinal, proto.StreamError, proto.RequestFinished)

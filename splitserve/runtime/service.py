@@ -3,6 +3,12 @@
 A service subclasses :class:`Service`, fills in ``setup`` (load models, open transports), ``start``
 (subscribe) and ``load`` (what its heartbeats report). :func:`run_service` runs it with SIGINT/SIGTERM
 handling so a supervisor can stop it cleanly.
+
+Graceful drain (SIGTERM/SIGINT): heartbeats say ``draining`` at once (routers stop sending it work: only
+``ready`` workers are routed to), ``drain`` finishes what the service holds, bounded by ``drain_timeout_s``;
+whatever is still held then is let go by ``hand_over`` without a terminal message, and the ``stopped``
+heartbeat that follows tells the routers to move those requests elsewhere (request migration). A second
+signal skips what is left of the drain.
 """
 
 from __future__ import annotations
@@ -27,9 +33,12 @@ from splitserve.tenancy.natsauth import ENV_NKEY_SEED, ENV_PASSWORD, ENV_USER
 class Service:
     role: str = "service"
 
-    def __init__(self, worker_id: str, nats_url: str, *, heartbeat_s: float = 0.5, log_level: str = "INFO") -> None:
+    def __init__(self, worker_id: str, nats_url: str, *, heartbeat_s: float = 0.5, log_level: str = "INFO",
+                 drain_timeout_s: float = 10.0) -> None:
         Subjects.heartbeat(self.role, worker_id)  # validates the id early
         self.worker_id = worker_id
+        self.drain_timeout_s = drain_timeout_s
+        self._stop_now = asyncio.Event()
         self.nats_url = nats_url
         self.heartbeat_s = heartbeat_s
         configure_logging(self.role, worker_id, log_level)
@@ -46,6 +55,14 @@ class Service:
 
     async def start(self) -> None:
         """Subscribe to subjects."""
+
+    async def drain(self) -> None:
+        """Stop taking new work and return once nothing is held (bounded by ``drain_timeout_s`` by the caller).
+        Heartbeats already say ``draining``."""
+
+    async def hand_over(self) -> None:
+        """The drain bound ran out: let go of what is still held, silently (no terminal message): the
+        ``stopped`` heartbeat that follows makes the routers migrate it."""
 
     async def shutdown(self) -> None:
         """Release resources after the subscriptions are drained."""
@@ -78,7 +95,13 @@ class Service:
         return self.bus
 
     def request_stop(self) -> None:
+        if self._stop.is_set():
+            self._stop_now.set()  # a second signal: stop draining
         self._stop.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._state in ("draining", "stopped")
 
     async def _heartbeat(self) -> None:
         self._hb_seq += 1
@@ -107,6 +130,27 @@ class Service:
                 self.log.warning("heartbeat_failed", error=str(exc))
             await asyncio.sleep(self.heartbeat_s)
 
+    async def _drain_bounded(self) -> None:
+        t0 = time.perf_counter()
+        task = asyncio.ensure_future(self.drain())
+        skip = asyncio.ensure_future(self._stop_now.wait())
+        try:
+            await asyncio.wait({task, skip}, timeout=self.drain_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            skip.cancel()
+        drained = task.done() and not task.cancelled() and task.exception() is None
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        elif task.exception() is not None:
+            self.log.warning("drain_failed", error=str(task.exception()))
+        held = self.active_requests()
+        if held:
+            await self.hand_over()
+        self.log.info("drained", drained=drained, handed_over=len(held),
+                      drain_s=round(time.perf_counter() - t0, 3))
+
     async def run(self) -> None:
         # Credentials come from the supervisor through the environment (``splitserve up --tenants``: one NATS
         # user per service role); without them the server must be running without authentication.
@@ -131,9 +175,10 @@ class Service:
             await self._heartbeat()
             self.log.info("ready", setup_s=round(time.perf_counter() - t0, 2), pid=os.getpid())
             await self._stop.wait()
-            self.log.info("stopping")
+            self.log.info("stopping", drain_timeout_s=self.drain_timeout_s)
             self._state = "draining"
             await self._heartbeat()
+            await self._drain_bounded()
         finally:
             self._state = "stopped"
             with contextlib.suppress(Exception):

@@ -1,0 +1,294 @@
+"""Chaos harness: steady load while services are SIGKILLed and restarted at random (seeded).
+
+    python -m bench.chaos --duration 60 --seed 1 [--engine mock] [--kill-every 4] [--json]
+
+Starts its own nats-server and services (2 routers, 2 prefillers, 3 decoders, the cache index), computes a
+reference output for every prompt with nothing failing, then runs streaming and async requests from several
+tenants while it kills (SIGKILL) and restarts one component at a time, chosen at random with the seed:
+routers, prefillers, decoders, the cache index and nats-server. At the end it counts what the wire showed (a
+tap on ``ss.stream.>`` and ``ss.result.>``) and what the clients got: accepted, completed, failed with a
+terminal error (by code), lost (accepted, no terminal message), duplicated (two terminal messages, or one
+seq number seen twice), and completed greedy outputs that differ from the reference. The baseline is the same
+load with no kills, measured first in the same run (``--baseline-s``; 0 skips it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+
+import proto
+from proto import StreamDelta, StreamError, StreamFinal
+from splitserve import errors
+from splitserve.client import Client
+from splitserve.natsserver import NatsServer, start_nats
+from splitserve.stackproc import spawn_service, wait_ready
+
+TENANTS = ("acme", "globex", "initech")
+PROMPTS = [f"chaos prompt {i}: " + " ".join(["word"] * (4 + 7 * i)) for i in range(8)]
+MAX_TOKENS = 24
+
+
+@dataclass
+class Outcome:
+    mode: str  # "stream" | "async"
+    prompt: int
+    accepted: bool = False
+    completed: bool = False
+    error: str | None = None  # terminal error code
+    tokens: list[int] | None = None
+
+
+@dataclass
+class Tap:
+    seqs: dict[str, Counter[int]] = field(default_factory=dict)
+    terminals: Counter[str] = field(default_factory=Counter)
+    finals: dict[str, list[int]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def on(self, data: bytes) -> None:
+        try:
+            msg = proto.decode_stream(data)
+        except proto.ProtocolError:
+            return
+        rid = msg.request_id or ""
+        if isinstance(msg, StreamDelta):
+            self.seqs.setdefault(rid, Counter())[msg.seq] += 1
+        elif isinstance(msg, StreamFinal):
+            self.terminals[rid] += 1
+            self.finals[rid] = list(msg.token_ids)
+        elif isinstance(msg, StreamError):
+            self.terminals[rid] += 1
+            self.errors[rid] = str(msg.code)
+
+
+class Cluster:
+    """The processes under test, each restartable under its own id."""
+
+    def __init__(self, root: Path, engine: str, step_ms: int) -> None:
+        self.root, self.engine = root, engine
+        self.logs = root / "logs"
+        self.env = dict(os.environ, SPLITSERVE_MOCK_STEP_MS=str(step_ms), SPLITSERVE_MOCK_PREFILL_TPS="4000")
+        self.nats: NatsServer = start_nats(root / "nats", port=None)
+        self.url = self.nats.url
+        self.names = ["router-1", "router-2", "prefill-1", "prefill-2", "decode-1", "decode-2", "decode-3",
+                      "cache-index-1"]
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(self, name: str) -> None:
+        role = name.rsplit("-", 1)[0]
+        if role == "router":
+            args = ["services.router", "--disagg-threshold", "32", "--max-stall-ms", "0", "--queue-ack-wait-s", "4",
+                    "--no-worker-wait-s", "8", "--max-migrations", "4"]
+        elif role in ("decode", "prefill"):
+            args = [f"services.{role}", "--engine", self.engine, "--transport", "tcp"]
+        else:
+            args = ["services.cache_index"]
+        self.procs[name] = spawn_service(args[0], *args[1:], nats_url=self.url, worker_id=name, log_dir=self.logs,
+                                         env=self.env)
+
+    def kill(self, name: str) -> None:
+        if name == "nats":
+            self.nats.proc.kill()
+            self.nats.proc.wait()
+            return
+        p = self.procs[name]
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+    def restart(self, name: str) -> None:
+        if name == "nats":
+            self.nats.restart()
+        else:
+            self.spawn(name)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in self.procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.nats.stop()
+
+
+async def _one(c: Client, rng: random.Random, out: dict[str, Outcome]) -> None:
+    tenant = rng.choice(TENANTS)
+    i = rng.randrange(len(PROMPTS))
+    if rng.random() < 0.7:
+        gen = c.generate(PROMPTS[i], max_tokens=MAX_TOKENS, tenant=tenant)
+        o = out[gen.request_id] = Outcome("stream", i)
+        try:
+            done = await gen.collect()
+            o.completed, o.tokens = True, done.token_ids
+        except errors.SplitserveError as exc:
+            # only a terminal message from the server counts as a failure; a client-side timeout or gap is
+            # judged from the wire tap at the end (completed there, or lost)
+            o.error = str(exc.code) if gen._server_ended else None
+        except Exception:
+            pass
+        o.accepted = gen.accepted is not None
+        return
+    try:
+        rid = await c.submit(PROMPTS[i], max_tokens=MAX_TOKENS, tenant=tenant)
+    except Exception:
+        return  # not accepted: refused, or no router reachable
+    o = out[rid] = Outcome("async", i, accepted=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            res = await c.result(rid, tenant=tenant, wait=5)
+        except errors.SplitserveError as exc:
+            if exc.code in (proto.ErrorCode.INTERNAL, proto.ErrorCode.TIMEOUT) and "result" not in str(exc):
+                await asyncio.sleep(0.5)  # the server itself may be down: ask again
+                continue
+            o.error = str(exc.code)
+            return
+        except Exception:
+            await asyncio.sleep(0.5)
+            continue
+        if res is not None:
+            o.completed, o.tokens = True, res.token_ids
+            return
+
+
+async def _load(url: str, seconds: float, seed: int, out: dict[str, Outcome], clients: int) -> None:
+    stop_at = time.monotonic() + seconds
+
+    async def worker(k: int) -> None:
+        rng = random.Random(seed * 1000 + k)
+        async with Client(url, idle_timeout=30, accept_timeout=10) as c:
+            while time.monotonic() < stop_at:
+                await _one(c, rng, out)
+
+    await asyncio.gather(*(worker(k) for k in range(clients)))
+
+
+async def _reference(url: str) -> list[list[int]]:
+    async with Client(url, idle_timeout=60) as c:
+        return [(await c.generate(p, max_tokens=MAX_TOKENS, tenant="ref").collect()).token_ids for p in PROMPTS]
+
+
+def _summarise(out: dict[str, Outcome], tap: Tap, reference: list[list[int]]) -> dict[str, Any]:
+    accepted = [rid for rid, o in out.items() if o.accepted]
+    for rid in accepted:  # what the wire showed completes what the client saw
+        o = out[rid]
+        if not o.completed and rid in tap.finals:
+            o.completed, o.tokens = True, tap.finals[rid]
+        if not o.completed and o.error is None and rid in tap.errors:
+            o.error = tap.errors[rid]
+    failed = Counter(o.error for rid, o in out.items() if o.accepted and not o.completed and o.error)
+    lost = [rid for rid in accepted if not out[rid].completed and not out[rid].error]
+    dup = [rid for rid in accepted if tap.terminals[rid] > 1 or any(n > 1 for n in tap.seqs.get(rid, {}).values())]
+    mismatch = [rid for rid in accepted if out[rid].completed and out[rid].tokens != reference[out[rid].prompt]]
+    return {"accepted": len(accepted), "completed": sum(out[r].completed for r in accepted),
+            "failed_by_code": dict(failed), "lost": len(lost), "duplicated": len(dup), "mismatched": len(mismatch),
+            "not_accepted": len(out) - len(accepted), "lost_ids": lost[:5], "duplicated_ids": dup[:5],
+            "mismatched_ids": mismatch[:5]}
+
+
+async def run(duration: float, seed: int, kill_every: float, restart_after: float, clients: int, engine: str,
+              step_ms: int, baseline_s: float, root: Path) -> dict[str, Any]:
+    cluster = Cluster(root, engine, step_ms)
+    for n in cluster.names:
+        cluster.spawn(n)
+    tap = Tap()
+    try:
+        await wait_ready(cluster.url, cluster.names, timeout=300)
+        reference = await _reference(cluster.url)
+        tap_nc = await nats.connect(cluster.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+
+        async def on_tap(m: Any) -> None:
+            tap.on(m.data)
+
+        for subj in ("ss.stream.>", "ss.result.>"):
+            await tap_nc.subscribe(subj, cb=on_tap)
+        report: dict[str, Any] = {"seed": seed, "duration_s": duration, "clients": clients, "engine": engine}
+        if baseline_s > 0:
+            base: dict[str, Outcome] = {}
+            await _load(cluster.url, baseline_s, seed + 1, base, clients)
+            report["baseline"] = _summarise(base, tap, reference)
+        out: dict[str, Outcome] = {}
+        kills: Counter[str] = Counter()
+        rng = random.Random(seed)
+        targets = [*cluster.names, "nats"]
+        load = asyncio.ensure_future(_load(cluster.url, duration, seed, out, clients))
+        t_end = time.monotonic() + duration
+        while time.monotonic() < t_end - restart_after:
+            await asyncio.sleep(rng.uniform(0.5, 1.5) * kill_every)
+            victim = rng.choice(targets)
+            kills[victim.rsplit("-", 1)[0]] += 1
+            print(f"  t={duration - (t_end - time.monotonic()):5.1f}s SIGKILL {victim}", flush=True)
+            cluster.kill(victim)
+            await asyncio.sleep(restart_after)
+            cluster.restart(victim)
+            if victim != "nats":
+                await wait_ready(cluster.url, [victim], timeout=120)
+        await asyncio.wait_for(load, duration + 180)
+        await asyncio.sleep(2)  # the tap's last messages
+        report["kills"] = dict(kills)
+        report["chaos"] = _summarise(out, tap, reference)
+        await tap_nc.close()
+        return report
+    finally:
+        cluster.stop()
+
+
+def _print(report: dict[str, Any]) -> None:
+    rows = [("kills", json.dumps(report.get("kills", {})))]
+    for name in ("baseline", "chaos"):
+        r = report.get(name)
+        if r is None:
+            continue
+        rows += [(f"{name}: accepted", r["accepted"]), (f"{name}: completed", r["completed"]),
+                 (f"{name}: failed (by code)", json.dumps(r["failed_by_code"])), (f"{name}: lost", r["lost"]),
+                 (f"{name}: duplicated", r["duplicated"]), (f"{name}: output mismatches", r["mismatched"]),
+                 (f"{name}: not accepted", r["not_accepted"])]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of load under chaos")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--kill-every", type=float, default=5.0, help="mean seconds between kills")
+    ap.add_argument("--restart-after", type=float, default=1.0, help="seconds a killed component stays down")
+    ap.add_argument("--clients", type=int, default=6)
+    ap.add_argument("--engine", default="mock", help="mock | hf")
+    ap.add_argument("--step-ms", type=int, default=10, help="mock engine decode step")
+    ap.add_argument("--baseline-s", type=float, default=10.0, help="seconds of the same load with no kills first")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--state-dir", default=None)
+    a = ap.parse_args(argv)
+    root = Path(a.state_dir or tempfile.mkdtemp(prefix="ss-chaos-"))
+    report = asyncio.run(run(a.duration, a.seed, a.kill_every, a.restart_after, a.clients, a.engine, a.step_ms,
+                             a.baseline_s, root))
+    if a.json:
+        print(json.dumps(report))
+    else:
+        _print(report)
+    chaos = report["chaos"]
+    return 0 if chaos["lost"] == 0 and chaos["duplicated"] == 0 and chaos["mismatched"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

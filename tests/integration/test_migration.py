@@ -1,0 +1,197 @@
+"""Request migration and graceful drain against real processes: nats-server, a router and mock-engine workers
+(the control plane is the subject; the hf test with the real model is in tests/e2e/test_migration_hf.py).
+
+- a decoder SIGKILLed mid-stream: the stream continues on another decoder, seq numbers unbroken, token for
+  token what an unkilled run gives (greedy, and seeded sampling);
+- a prefiller SIGKILLed mid-prefill: the request is sent again and completes;
+- migrations exhausted (--max-migrations): a precise worker_died naming the count;
+- SIGTERM on a decoder: draining (no new work), then what it still holds is handed over without an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+
+import proto
+from proto import Heartbeat
+from splitserve import errors
+from splitserve.client import Client, Delta, Generation, Result
+from splitserve.natsserver import NatsServer
+from tests.procs import spawn_service, stop, wait_ready
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Tell me a story about migrating birds."
+
+
+def _router(url: str, logs: Path, worker_id: str = "router-m", *args: str) -> subprocess.Popen[bytes]:
+    return spawn_service("services.router", "--queue-ack-wait-s", "5", "--no-worker-wait-s", "3", *args,
+                         nats_url=url, worker_id=worker_id, log_dir=logs)
+
+
+def _decoder(url: str, logs: Path, worker_id: str, step_ms: int = 40, *args: str) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, SPLITSERVE_MOCK_STEP_MS=str(step_ms))
+    return spawn_service("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", "8", *args,
+                         nats_url=url, worker_id=worker_id, log_dir=logs, env=env)
+
+
+def _prefiller(url: str, logs: Path, worker_id: str, tps: int = 200) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, SPLITSERVE_MOCK_PREFILL_TPS=str(tps))
+    return spawn_service("services.prefill", "--engine", "mock", "--transport", "tcp", nats_url=url,
+                         worker_id=worker_id, log_dir=logs, env=env)
+
+
+async def holder(url: str, request_id: str, role: str = "decode", timeout: float = 10.0) -> Heartbeat:
+    """The heartbeat of the worker of ``role`` that holds the request now."""
+    nc = await nats.connect(url)
+    try:
+        sub = await nc.subscribe(f"ss.hb.{role}.*")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg = await sub.next_msg(timeout=max(0.1, deadline - time.monotonic()))
+            hb = proto.decode(msg.data, Heartbeat)
+            if request_id in hb.active_requests and hb.state == "ready":
+                return hb
+        raise AssertionError(f"no {role} worker reported {request_id}")
+    finally:
+        await nc.close()
+
+
+def _kill(hb: Heartbeat) -> None:
+    assert hb.pid is not None
+    os.kill(hb.pid, signal.SIGKILL)
+
+
+async def _stream(gen: Generation, on_delta: object = None) -> tuple[list[Delta], Result]:
+    deltas: list[Delta] = []
+    async for d in gen:
+        deltas.append(d)
+        if on_delta is not None:
+            await on_delta(d)  # type: ignore[operator]
+    assert gen.result is not None
+    return deltas, gen.result
+
+
+def _check_unbroken(deltas: list[Delta], result: Result, reference: Result) -> None:
+    assert [d.seq for d in deltas] == list(range(len(deltas)))  # the client saw every seq once, in order
+    streamed = [t for d in deltas for t in d.token_ids]
+    assert streamed == result.token_ids[: len(streamed)]
+    assert result.token_ids == reference.token_ids  # token-identical to the unkilled run
+    assert result.text == reference.text
+    assert result.usage.completion_tokens == reference.usage.completion_tokens
+    assert result.usage.prompt_tokens == reference.usage.prompt_tokens
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    ps: list[subprocess.Popen[bytes]] = []
+    yield ps
+    stop(*ps)
+
+
+async def test_decoder_killed_mid_stream_continues_on_another(fresh_nats: NatsServer, tmp_path: Path,
+                                                               procs: list[subprocess.Popen[bytes]]) -> None:
+    url, logs = fresh_nats.url, tmp_path / "logs"
+    procs += [_router(url, logs, "router-m", "--disagg-threshold", "1000000000"),
+              _decoder(url, logs, "decode-a"), _decoder(url, logs, "decode-b"), _decoder(url, logs, "decode-c")]
+    await wait_ready(url, ["router-m", "decode-a", "decode-b", "decode-c"], timeout=180)
+    async with Client(url, idle_timeout=60) as c:
+        for kw in ({}, {"temperature": 0.9, "seed": 7}):  # greedy, then seeded sampling
+            reference = await c.generate(PROMPT, max_tokens=60, **kw).collect()
+            assert reference.finish_reason == "length" and len(reference.token_ids) == 60
+            gen = c.generate(PROMPT, max_tokens=60, **kw)
+            killed: list[str] = []
+
+            async def kill_at_10(d: Delta, gen: Generation = gen, killed: list[str] = killed) -> None:
+                if d.seq == 10 and not killed:
+                    hb = await holder(url, gen.request_id)
+                    _kill(hb)
+                    killed.append(hb.worker_id)
+
+            deltas, result = await _stream(gen, kill_at_10)
+            _check_unbroken(deltas, result, reference)
+            assert killed and result.decode_worker != killed[0]
+            # restart the killed decoder under the same id for the next round
+            procs.append(_decoder(url, logs, killed[0]))
+            await wait_ready(url, [killed[0]], timeout=180)
+    log = (logs / "router-m.log").read_text()
+    assert log.count('"migrated"') == 2, log[-3000:]
+    assert '"resumed_tokens": 1' in log  # resumed after the tokens streamed (seq 10 = the 11th token)
+
+
+async def test_migrations_exhausted_is_a_precise_error(fresh_nats: NatsServer, tmp_path: Path,
+                                                       procs: list[subprocess.Popen[bytes]]) -> None:
+    url, logs = fresh_nats.url, tmp_path / "logs"
+    procs += [_router(url, logs, "router-x", "--disagg-threshold", "1000000000", "--max-migrations", "1"),
+              _decoder(url, logs, "decode-x1"), _decoder(url, logs, "decode-x2"), _decoder(url, logs, "decode-x3")]
+    await wait_ready(url, ["router-x", "decode-x1", "decode-x2", "decode-x3"], timeout=180)
+    async with Client(url, idle_timeout=60) as c:
+        gen = c.generate(PROMPT, max_tokens=200)
+        killed: list[str] = []
+
+        async def kill_twice(d: Delta) -> None:
+            if d.seq in (5, 15) and len(killed) < (1 if d.seq == 5 else 2):
+                hb = await holder(url, gen.request_id)
+                _kill(hb)
+                killed.append(hb.worker_id)
+
+        with pytest.raises(errors.WorkerDied) as ei:
+            await _stream(gen, kill_twice)
+    assert len(killed) == 2
+    assert "after 1 migration(s)" in ei.value.message and killed[1] in ei.value.message, ei.value.message
+
+
+async def test_prefiller_killed_mid_prefill_request_completes(fresh_nats: NatsServer, tmp_path: Path,
+                                                              procs: list[subprocess.Popen[bytes]]) -> None:
+    url, logs = fresh_nats.url, tmp_path / "logs"
+    # Every prompt goes through a prefiller; a mock prefill of ~600 tokens takes ~3 s at 200 tokens/s.
+    procs += [_router(url, logs, "router-p", "--disagg-threshold", "1", "--max-stall-ms", "0.001"),
+              _decoder(url, logs, "decode-p1", 10), _prefiller(url, logs, "prefill-p1"),
+              _prefiller(url, logs, "prefill-p2")]
+    await wait_ready(url, ["router-p", "decode-p1", "prefill-p1", "prefill-p2"], timeout=180)
+    prompt = " ".join(["lorem ipsum dolor"] * 200)
+    async with Client(url, idle_timeout=60) as c:
+        reference = await c.generate(prompt, max_tokens=20).collect()
+        assert reference.prefill_worker is not None
+        gen = c.generate(prompt + " again", max_tokens=20)
+        it = gen.__aiter__()
+        task = asyncio.ensure_future(it.__anext__())
+        hb = await holder(url, gen.request_id, role="prefill")
+        _kill(hb)
+        first = await asyncio.wait_for(task, 60)
+        rest = [d async for d in it]
+        assert gen.result is not None and gen.result.finish_reason == "length"
+        assert [d.seq for d in [first, *rest]] == list(range(1 + len(rest)))
+        assert gen.result.prefill_worker != hb.worker_id
+    assert '"migrated"' in (logs / "router-p.log").read_text()
+
+
+async def test_draining_decoder_hands_over_without_error(fresh_nats: NatsServer, tmp_path: Path,
+                                                         procs: list[subprocess.Popen[bytes]]) -> None:
+    url, logs = fresh_nats.url, tmp_path / "logs"
+    a = _decoder(url, logs, "decode-d1", 40, "--drain-timeout-s", "1")
+    procs += [_router(url, logs, "router-d", "--disagg-threshold", "1000000000"), a, _decoder(url, logs, "decode-d2")]
+    await wait_ready(url, ["router-d", "decode-d1", "decode-d2"], timeout=180)
+    async with Client(url, idle_timeout=60) as c:
+        reference = await c.generate(PROMPT, max_tokens=150).collect()
+        gens = [c.generate(PROMPT, max_tokens=150) for _ in range(4)]
+        its = [g.__aiter__() for g in gens]
+        firsts = [await it.__anext__() for it in its]
+        t0 = time.monotonic()
+        a.send_signal(signal.SIGTERM)  # 150 tokens at 40 ms: ~6 s left, longer than its 1 s drain bound
+        rests = [[d async for d in it] for it in its]
+        assert a.wait(30) == 0 and time.monotonic() - t0 < 30
+        for g, f, rest in zip(gens, firsts, rests, strict=True):
+            assert g.result is not None
+            _check_unbroken([f, *rest], g.result, reference)
+    log = (logs / "decode-d1.log").read_text()
+    assert '"handed_over"' in log and '"drained"' in log
