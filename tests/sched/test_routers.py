@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
+import uuid
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import proto
 from proto import Accepted, GenerateRequest, SamplingParams, StreamError, StreamFinal, Subjects
 from splitserve import errors
 from splitserve.client import Client, Result
+from splitserve.discovery import server_list
 from splitserve.natsserver import NatsServer
 from splitserve.ops import read_usage, sum_usage
 from tests.procs import heartbeat_of, spawn_service, stop, wait_ready
@@ -74,16 +76,29 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
 
 
 class _Wire:
-    """Counts, per request id, the terminal messages (final or error) and RequestFinished events on the wire."""
+    """Counts, per request id, the terminal messages (final or error) and RequestFinished events on the wire.
+    A terminal is sent live on the stream subject and stored on the result subject, and a publish JetStream did
+    not confirm is retried: all with one ``Nats-Msg-Id``, so distinct ids are distinct messages."""
 
     def __init__(self) -> None:
-        self.terminals: Counter[str] = Counter()
-        self.finished: Counter[str] = Counter()
+        self._terminals: dict[str, set[str]] = defaultdict(set)
+        self._finished: dict[str, set[str]] = defaultdict(set)
         self.ended_at: dict[str, float] = {}
         self.nc: nats.NATS | None = None
 
+    @property
+    def terminals(self) -> Counter[str]:
+        return Counter({rid: len(ids) for rid, ids in self._terminals.items()})
+
+    @property
+    def finished(self) -> Counter[str]:
+        return Counter({rid: len(ids) for rid, ids in self._finished.items()})
+
     async def start(self, url: str, tenant: str) -> None:
-        self.nc = await nats.connect(url)
+        self.nc = await nats.connect(server_list(url))
+
+        def msg_id(msg: object) -> str:
+            return (getattr(msg, "headers", None) or {}).get("Nats-Msg-Id") or uuid.uuid4().hex
 
         async def on_stream(msg: object) -> None:
             try:
@@ -91,12 +106,12 @@ class _Wire:
             except proto.ProtocolError:
                 return
             if isinstance(m, (StreamFinal, StreamError)) and m.request_id:
-                self.terminals[m.request_id] += 1
+                self._terminals[m.request_id].add(msg_id(msg))
                 self.ended_at.setdefault(m.request_id, time.monotonic())
 
         async def on_finished(msg: object) -> None:
             ev = proto.decode(msg.data, proto.RequestFinished)  # type: ignore[attr-defined]
-            self.finished[ev.request_id] += 1
+            self._finished[ev.request_id].add(msg_id(msg))
 
         await self.nc.subscribe(f"ss.stream.{tenant}.>", cb=on_stream)
         await self.nc.subscribe(f"ss.result.{tenant}.>", cb=on_stream)

@@ -26,9 +26,20 @@ from splitserve.sim.latency import StepFit
 CPU_FIT = StepFit("test-cpu", (30.0, 1.2, 0.0), (60.0, 0.001, 6.0))
 
 
+class _Sub:
+    async def unsubscribe(self) -> None:
+        pass
+
+
+class _NoNats:
+    async def subscribe(self, *_: Any, **__: Any) -> _Sub:  # the router follows each request's stream
+        return _Sub()
+
+
 class RecordingBus:
     def __init__(self) -> None:
         self.published: list[tuple[str, Any]] = []
+        self.nc = _NoNats()
 
     async def publish(self, subject: str, msg: Any, **_: Any) -> None:
         self.published.append((subject, msg))
@@ -83,8 +94,9 @@ async def _replay(
             before = len(bus.published)
             inf = await svc._route(req, list(ids), None, span)
             assert inf is not None
-            subject, job = bus.published[before]
-            live = (job.decode if isinstance(job, proto.PrefillJob) else job).decision
+            job = next(m for _, m in bus.published[before:] if isinstance(m, (proto.PrefillJob, proto.DecodeJob)))
+            live = dict((job.decode if isinstance(job, proto.PrefillJob) else job).decision)
+            live.pop("router", None)  # which replica decided: the live router's own id, not part of the policy
             pairs.append((sim_decision, live))
         elif kind == "fin":
             _, _, rid, tenant, p, o = entry
