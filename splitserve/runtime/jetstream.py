@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 import structlog
+from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StreamConfig
 from nats.js.errors import BucketNotFoundError, NotFoundError
@@ -55,37 +56,59 @@ _COMPARED = ("subjects", "retention", "storage", "max_bytes", "max_age", "duplic
              "allow_direct")
 
 
+def _matches(want: StreamConfig, have: StreamConfig) -> bool:
+    for f in _COMPARED:
+        w = getattr(want, f)
+        # unset (None, or 0 for the dedupe window: nats-py's default) means "the server's default"
+        if w is None or (f == "duplicate_window" and not w):
+            continue
+        if w != getattr(have, f):
+            return False
+    return True
+
+
 async def ensure_stream(js: JetStreamContext, cfg: StreamConfig, replicas: int) -> None:
     """Create the stream with ``replicas`` copies, or bring the existing one to ``cfg`` (scaling it up to
-    ``replicas``, never down); leave it alone when it already matches."""
-    for attempt in range(3):
+    ``replicas``, never down); leave it alone when it already matches. A JetStream API call that times out
+    (a cluster electing a leader, a loaded machine) is tried again."""
+    for attempt in range(4):
+        last = attempt == 3
         try:
-            existing = await js.stream_info(cfg.name or "")
-        except NotFoundError:
-            cfg.num_replicas = replicas
             try:
-                await js.add_stream(cfg)
+                existing = await js.stream_info(cfg.name or "")
+            except NotFoundError:
+                cfg.num_replicas = replicas
+                try:
+                    await js.add_stream(cfg)
+                    return
+                except NatsTimeout:
+                    raise
+                except Exception as exc:
+                    if last:
+                        raise RuntimeError(f"cannot create JetStream stream {cfg.name}: {exc!r} (JetStream "
+                                           "storage limits of the nats-server?)") from exc
+                    await asyncio.sleep(0.2 * (attempt + 1))  # created by another service meanwhile? look again
+                    continue
+            have = existing.config
+            have_r = int(have.num_replicas or 1)
+            cfg.num_replicas = max(replicas, have_r)
+            if cfg.num_replicas == have_r and _matches(cfg, have):
                 return
+            if cfg.num_replicas != have_r:
+                log.info("stream_scaled", stream=cfg.name, replicas_from=have_r, replicas_to=cfg.num_replicas)
+            try:  # it exists with another config (an older version, or fewer copies): update it in place
+                await js.update_stream(cfg)
+                return
+            except NatsTimeout:
+                raise
             except Exception as exc:
-                if attempt == 2:
-                    raise RuntimeError(f"cannot create JetStream stream {cfg.name}: {exc!r} (JetStream storage "
-                                       "limits of the nats-server?)") from exc
-                await asyncio.sleep(0.2 * (attempt + 1))  # created by another service meanwhile? look again
-                continue
-        have = existing.config
-        have_r = int(have.num_replicas or 1)
-        cfg.num_replicas = max(replicas, have_r)
-        if cfg.num_replicas == have_r and all(getattr(cfg, f) is None or getattr(cfg, f) == getattr(have, f)
-                                              for f in _COMPARED):
-            return
-        if cfg.num_replicas != have_r:
-            log.info("stream_scaled", stream=cfg.name, replicas_from=have_r, replicas_to=cfg.num_replicas)
-        try:  # it exists with another config (an older version, or fewer copies): update it in place
-            await js.update_stream(cfg)
-            return
-        except Exception as exc:
-            raise RuntimeError(f"cannot update JetStream stream {cfg.name}: {exc!r} (JetStream storage limits "
-                               "of the nats-server?)") from exc
+                raise RuntimeError(f"cannot update JetStream stream {cfg.name}: {exc!r} (JetStream storage "
+                                   "limits of the nats-server?)") from exc
+        except NatsTimeout:
+            if last:
+                raise
+            log.warning("jetstream_api_timeout", stream=cfg.name, attempt=attempt + 1)
+            await asyncio.sleep(0.5 * (attempt + 1))
 
 
 async def ensure_bucket(js: JetStreamContext, cfg: KeyValueConfig, replicas: int) -> KeyValue:
@@ -98,6 +121,12 @@ async def ensure_bucket(js: JetStreamContext, cfg: KeyValueConfig, replicas: int
             return kv
         except BucketNotFoundError:
             pass
+        except NatsTimeout:  # a cluster electing a leader, a loaded machine: ask again
+            if attempt == 2:
+                raise
+            log.warning("jetstream_api_timeout", bucket=cfg.bucket, attempt=attempt + 1)
+            await asyncio.sleep(0.5 * (attempt + 1))
+            continue
         cfg.replicas = replicas
         try:
             return await js.create_key_value(cfg)
