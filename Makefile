@@ -4,6 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# `make test` spreads test files over this many pytest workers (pytest-xdist, a file's tests stay together: its
+# module fixtures start one stack). The integration tests mostly wait on processes and timeouts, so 2 workers
+# halve the suite's time even on 2 cores; TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 ARGS ?=
 
 .PHONY: setup sysdeps run test test-fast lint bench clean lock
@@ -34,7 +38,7 @@ run: setup
 	$(VENV)/bin/splitserve up $(ARGS)
 
 test: setup sysdeps
-	$(VENV)/bin/pytest -q -rs $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -rs -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: setup sysdeps
 	$(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,12 +56,20 @@ class Outcome:
 
 @dataclass
 class Tap:
+    """What the wire showed, per request id. A terminal message is sent live on the stream subject and stored as
+    a copy on the result subject, and a publish JetStream did not confirm is retried: all under one
+    ``Nats-Msg-Id``, so distinct ids are distinct terminal messages."""
+
     seqs: dict[str, Counter[int]] = field(default_factory=dict)
-    terminals: Counter[str] = field(default_factory=Counter)
+    terminal_ids: dict[str, set[str]] = field(default_factory=dict)
     finals: dict[str, list[int]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
 
-    def on(self, data: bytes) -> None:
+    @property
+    def terminals(self) -> Counter[str]:
+        return Counter({rid: len(ids) for rid, ids in self.terminal_ids.items()})
+
+    def on(self, data: bytes, msg_id: str | None = None) -> None:
         try:
             msg = proto.decode_stream(data)
         except proto.ProtocolError:
@@ -68,12 +77,14 @@ class Tap:
         rid = msg.request_id or ""
         if isinstance(msg, StreamDelta):
             self.seqs.setdefault(rid, Counter())[msg.seq] += 1
-        elif isinstance(msg, StreamFinal):
-            self.terminals[rid] += 1
+            return
+        if isinstance(msg, StreamFinal):
             self.finals[rid] = list(msg.token_ids)
         elif isinstance(msg, StreamError):
-            self.terminals[rid] += 1
             self.errors[rid] = str(msg.code)
+        else:
+            return
+        self.terminal_ids.setdefault(rid, set()).add(msg_id or uuid.uuid4().hex)
 
 
 class Cluster:
@@ -216,7 +227,7 @@ async def run(duration: float, seed: int, kill_every: float, restart_after: floa
         tap_nc = await nats.connect(cluster.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
 
         async def on_tap(m: Any) -> None:
-            tap.on(m.data)
+            tap.on(m.data, (m.headers or {}).get("Nats-Msg-Id"))
 
         for subj in ("ss.stream.>", "ss.result.>"):
             await tap_nc.subscribe(subj, cb=on_tap)

@@ -655,6 +655,10 @@ class DispatchNote(Message):
     blocks: int = 0  # KV blocks the request takes on the decoder
     prefiller: str | None = None
     prefiller_tokens: int = 0
+    # Fair share: what the dispatch charged its tenant (tokens / weight). The others count it at once, until
+    # the sender's next FairShareReport (which includes it) replaces it: a fast queue is not split by stale counts.
+    tenant: str = ""
+    virtual_tokens: float = 0.0
 
 
 class FairShareReport(Message):

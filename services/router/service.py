@@ -214,6 +214,8 @@ class RouterService(Service):
         self.request_ttl_s = request_ttl_s
         self.incarnation = uuid.uuid4().hex[:12]  # this process, in fair-share reports
         self._remote_fair: dict[tuple[str, str], dict[str, float]] = {}  # (router, incarnation) -> its charges
+        # router -> tenant -> virtual tokens of its DispatchNotes since its last FairShareReport
+        self._remote_recent: dict[str, dict[str, float]] = {}
         self._claiming: set[str] = set()  # request ids this router is claiming/dispatching now
 
     async def setup(self) -> None:
@@ -267,6 +269,14 @@ class RouterService(Service):
             b.spawn(self._redelivery_sweep())
             b.spawn(self._fair_reports())
             b.spawn(self._reconcile_quota())
+        await self._registry_warmup()  # "ready" once the worker set is known
+
+    async def _registry_warmup(self) -> None:
+        """Wait until this router has heard every live worker (three heartbeat intervals since start): a request
+        routed before would miss the workers not heard yet (every prompt sent direct while no prefiller is)."""
+        warm = REGISTRY_WARMUP_S - (time.monotonic() - self._started)
+        if warm > 0:
+            await asyncio.sleep(warm)
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(active_seqs=len(self.inflight))
@@ -876,6 +886,7 @@ class RouterService(Service):
         return free
 
     async def _dispatch_loop(self) -> None:
+        await self._registry_warmup()
         last_refresh = 0.0
         while True:
             try:
@@ -1133,7 +1144,8 @@ class RouterService(Service):
                 await self.b.publish(Subjects.routed(self.worker_id), DispatchNote(
                     router_id=self.worker_id, request_id=req.request_id, decoder=ent[0][0],
                     decoder_tokens=ent[0][1], blocks=ent[0][2], prefiller=ent[1][0] if len(ent) > 1 else None,
-                    prefiller_tokens=ent[1][1] if len(ent) > 1 else 0))
+                    prefiller_tokens=ent[1][1] if len(ent) > 1 else 0, tenant=req.tenant,
+                    virtual_tokens=charge / self.fair.weight(req.tenant)))
         # The routing decision, flattened (scalars) and whole (JSON), so a waterfall can show why.
         tracing.set_attrs(sp, prompt_tokens=len(ids), route=str(route.value), decoder=decision.decoder,
                           prefiller=decision.prefiller, decision_json=ddict)
@@ -1158,6 +1170,10 @@ class RouterService(Service):
         if note.prefiller is not None:
             entries.append((note.prefiller, note.prefiller_tokens, 0))
         self.policy.on_remote_routed(note.request_id, entries, time.monotonic())
+        if note.tenant and note.virtual_tokens:
+            recent = self._remote_recent.setdefault(note.router_id, {})
+            recent[note.tenant] = recent.get(note.tenant, 0.0) + note.virtual_tokens
+            self._apply_remote_fair()
 
     async def on_fair_report(self, rep: FairShareReport, _: Msg) -> None:
         if rep.incarnation == self.incarnation:
@@ -1165,8 +1181,13 @@ class RouterService(Service):
         # Keyed by process: a restarted router reports from zero, and the tokens its previous process charged
         # still count.
         self._remote_fair[(rep.router_id, rep.incarnation)] = rep.virtual_tokens
+        # The report includes every dispatch note it sent before it (one connection: NATS keeps their order).
+        self._remote_recent.pop(rep.router_id, None)
+        self._apply_remote_fair()
+
+    def _apply_remote_fair(self) -> None:
         total: dict[str, float] = {}
-        for counters in self._remote_fair.values():
+        for counters in [*self._remote_fair.values(), *self._remote_recent.values()]:
             for t, v in counters.items():
                 total[t] = total.get(t, 0.0) + v
         self.fair.set_remote(total)

@@ -93,6 +93,12 @@ async def test_three_routers_on_a_three_node_cluster_survive_a_node_and_a_router
                      f"KV_{proto.Subjects.REQUESTS_BUCKET}", f"KV_{proto.Subjects.QUOTA_BUCKET}"):
             assert await _replicas(cluster.url, name) == 3, name
 
+        # Each tenant's queue lane (a durable R3 consumer) is made on its first request; made on a cluster that
+        # has lost a node, that can take one JetStream API timeout (5 s), which would skew the split below.
+        for t in ("heavy", "slim"):
+            async with Client(cluster.url, tenant=t) as c:
+                await c.complete("warm the lane", max_tokens=2)
+
         # The NATS node to kill: not the observer's; the clients connect to all three and fail over.
         victim_node = 2
         observer = ",".join(u for i, u in enumerate(cluster.urls) if i != victim_node)
