@@ -36,7 +36,7 @@ import proto
 from proto import StreamDelta, StreamError, StreamFinal
 from splitserve import errors
 from splitserve.client import Client
-from splitserve.natsserver import NatsServer, start_nats
+from splitserve.natsserver import NatsServer, free_port, start_nats
 from splitserve.stackproc import spawn_service, wait_ready
 
 TENANTS = ("acme", "globex", "initech")
@@ -90,11 +90,14 @@ class Tap:
 class Cluster:
     """The processes under test, each restartable under its own id."""
 
-    def __init__(self, root: Path, engine: str, step_ms: int) -> None:
+    def __init__(self, root: Path, engine: str, step_ms: int, *, monitor: bool = False) -> None:
         self.root, self.engine = root, engine
         self.logs = root / "logs"
         self.env = dict(os.environ, SPLITSERVE_MOCK_STEP_MS=str(step_ms), SPLITSERVE_MOCK_PREFILL_TPS="4000")
-        self.nats: NatsServer = start_nats(root / "nats", port=None)
+        mport = free_port() if monitor else None  # nats-server's HTTP monitoring (/subsz, /connz), for bench.soak
+        self.nats: NatsServer = start_nats(root / "nats", port=None,
+                                           extra_config=f'http: "127.0.0.1:{mport}"\n' if mport else "")
+        self.nats.monitor_port = mport
         self.url = self.nats.url
         self.names = ["router-1", "router-2", "prefill-1", "prefill-2", "decode-1", "decode-2", "decode-3",
                       "cache-index-1"]

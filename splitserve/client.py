@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from nats.errors import NoRespondersError
+from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -499,6 +499,14 @@ class Client:
                     continue
                 raise errors.Timeout(f"no router answered within {self.accept_timeout:.0f}s",
                                      request_id=req.request_id) from None
+            except (OSError, ConnectionClosedError) as exc:
+                # the socket broke under the request (its server died): nats-py reconnects; send it again (the
+                # request id makes that idempotent)
+                if time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                    continue
+                raise errors.Unavailable(f"lost the connection to NATS at {self.nats_url}: {exc!r}",
+                                         request_id=req.request_id) from None
             self._router_seen = True
             if isinstance(reply, StreamError):
                 raise errors.from_wire(reply)

@@ -473,7 +473,7 @@ class RouterService(Service):
         self.log.warning("job_bounced", request_id=ev.request_id, worker=ev.worker_id, code=str(ev.code),
                          reason=ev.message)
         self.b.spawn(self._migrate(inf, inf.attempt, f"{ev.message} (from {ev.worker_id})", ev.worker_id,
-                                   decoder_failed=False))
+                                   decoder_failed=False, code=ev.code))
 
     def _worker_lost(self, wid: str, reason: str) -> None:
         for inf in list(self.inflight.values()):
@@ -483,7 +483,8 @@ class RouterService(Service):
                 # Its KV may never come: unless the decoder already has it, send the request again.
                 self.b.spawn(self._migrate(inf, inf.attempt, reason, wid, decoder_failed=False))
 
-    async def _migrate(self, inf: Inflight, attempt: int, reason: str, failed: str, *, decoder_failed: bool) -> None:
+    async def _migrate(self, inf: Inflight, attempt: int, reason: str, failed: str, *, decoder_failed: bool,
+                       code: ErrorCode = ErrorCode.WORKER_DIED) -> None:
         """Move one attempt of a request to another worker (idempotent per attempt: several signals of the
         same failure move it once)."""
         if self.inflight.get(inf.request_id) is not inf or inf.attempt != attempt or inf.migrating:
@@ -498,7 +499,7 @@ class RouterService(Service):
                 tracing.set_attrs(sp, request_id=inf.request_id, tenant=inf.tenant, failed_worker=failed,
                                   reason=reason, attempt=attempt + 1, resumed_tokens=len(inf.tokens),
                                   start_seq=inf.next_seq, from_decoder=inf.decoder, from_prefiller=inf.prefiller)
-                await self._migrate_once(inf, attempt, reason, failed, decoder_failed, sp)
+                await self._migrate_once(inf, attempt, reason, failed, decoder_failed, sp, code)
         except Exception as exc:  # never leave the caller waiting on a bug here
             self.log.exception("migration_failed", request_id=inf.request_id, error=str(exc))
             if self.inflight.get(inf.request_id) is inf:
@@ -507,7 +508,9 @@ class RouterService(Service):
             inf.migrating = False
 
     async def _migrate_once(self, inf: Inflight, attempt: int, reason: str, failed: str, decoder_failed: bool,
-                            sp: trace.Span) -> None:
+                            sp: trace.Span, code: ErrorCode = ErrorCode.WORKER_DIED) -> None:
+        """``code``: what the request ends with when it cannot be moved again (the failure's own code: a KV
+        hand-off that keeps failing is ``kv_transfer_failed``, not a dead worker)."""
         log = self.log.bind(request_id=inf.request_id, tenant=inf.tenant)
         if inf.job is None or inf.request is None or not inf.tracked:
             why = ("adopted after a router restart" if inf.job is None
@@ -518,7 +521,7 @@ class RouterService(Service):
             return
         if attempt >= self.max_migrations:
             tracing.set_attrs(sp, migrated=False, exhausted=True)
-            await self._fail(inf, ErrorCode.WORKER_DIED,
+            await self._fail(inf, code,
                              f"{reason} while serving this request, after {attempt} migration(s) "
                              f"(--max-migrations {self.max_migrations})", failed)
             return

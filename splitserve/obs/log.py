@@ -67,6 +67,20 @@ def quiet_third_party() -> None:
         pass
 
 
+class _Stderr:
+    """``sys.stderr`` as it is when a line is written, not when logging was configured: a CLI command run inside
+    another program (a test's runner, an embedding app) may swap it for a stream it closes afterwards."""
+
+    def write(self, s: str) -> int:
+        return sys.stderr.write(s)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+_STDERR: Any = _Stderr()
+
+
 def configure_logging(service: str, worker_id: str, level: str = "INFO") -> None:
     lvl = getattr(logging, level.upper(), logging.INFO)
     shared: list[Any] = [
@@ -78,7 +92,7 @@ def configure_logging(service: str, worker_id: str, level: str = "INFO") -> None
     structlog.configure(
         processors=[*shared, structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(_STDERR),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.clear_contextvars()
@@ -86,7 +100,7 @@ def configure_logging(service: str, worker_id: str, level: str = "INFO") -> None
     # Child processes a library spawns (vLLM's engine core) log as this service too: see inherit_logging.
     os.environ[ENV_LOG_SERVICE] = f"{service}\t{worker_id}\t{level}"
     # The standard library's records (every third-party logger, and warnings) rendered by the same chain.
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_STDERR)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name, structlog.stdlib.ExtraAdder()],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
@@ -130,6 +144,6 @@ def configure_client_logging(level: str = "WARNING") -> None:
     structlog.configure(
         processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.WARNING)),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(_STDERR),
         cache_logger_on_first_use=True,
     )
