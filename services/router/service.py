@@ -574,12 +574,17 @@ class RouterService(Service):
                           prefiller=decision.prefiller, decision_json=ddict)
         log.warning("migrated", attempt=attempt + 1, failed_worker=failed, reason=reason, decoder=decision.decoder,
                     prefiller=decision.prefiller, resumed_tokens=len(inf.tokens), start_seq=inf.next_seq)
+        await self._send_job(inf, route, decision.decoder, decision.prefiller, job)
+
+    async def _send_job(self, inf: Inflight, route: Route, decoder: str, prefiller: str | None,
+                        job: DecodeJob) -> None:
+        """Publish the job to its prefiller (disaggregated) or its decoder (direct)."""
         try:
             if route is Route.DISAGGREGATED:
-                assert decision.prefiller is not None
-                await self.b.publish(Subjects.prefill_job(decision.prefiller), PrefillJob(decode=job))
+                assert prefiller is not None
+                await self.b.publish(Subjects.prefill_job(prefiller), PrefillJob(decode=job))
             else:
-                await self.b.publish(Subjects.decode_job(decision.decoder), job)
+                await self.b.publish(Subjects.decode_job(decoder), job)
         except PayloadTooLarge as exc:
             await self._fail(inf, ErrorCode.PAYLOAD_TOO_LARGE, str(exc))
 
@@ -1155,14 +1160,7 @@ class RouterService(Service):
         tracing.set_attrs(sp, "decision.", **{k: v for k, v in ddict.items() if k != "request_id"})
         log.info("routed", decision=ddict, prompt_tokens=len(ids))
         await self._track(inf, req, job)
-        try:
-            if route is Route.DISAGGREGATED:
-                assert decision.prefiller is not None
-                await self.b.publish(Subjects.prefill_job(decision.prefiller), PrefillJob(decode=job))
-            else:
-                await self.b.publish(Subjects.decode_job(decision.decoder), job)
-        except PayloadTooLarge as exc:
-            await self._fail(inf, ErrorCode.PAYLOAD_TOO_LARGE, str(exc))
+        await self._send_job(inf, route, decision.decoder, decision.prefiller, job)
         return inf
 
     # --- sharing with the other routers ----------------------------------------------------------------

@@ -232,11 +232,13 @@ async def test_tokens_per_minute_is_global(cluster: tuple[str, Path, list]) -> N
     assert 2500 - 200 <= used <= 2500  # the limit bound, and it was the limit that bound (not too strict)
 
 
-async def test_token_shares_follow_weights_across_replicas(cluster: tuple[str, Path, list]) -> None:  # type: ignore[type-arg]
-    url, _, _ = cluster
+async def weighted_split(url: str, per_tenant: int, window: tuple[int, int]) -> tuple[float, Counter[str]]:
+    """Tenants "heavy" (weight 3) and "slim" (weight 1) each submit ``per_tenant`` same-size requests at once;
+    returns heavy:slim among the dispatches in ``window`` (by time in queue: both still backlogged there) and
+    how many requests each router dispatched."""
     async with Client(url, tenant="heavy") as hc, Client(url, tenant="slim") as sc:
         futs = []
-        for i in range(120):
+        for i in range(per_tenant):
             for name, c in (("heavy", hc), ("slim", sc)):
                 futs.append((name, c, asyncio.ensure_future(c.submit(f"{name} {i}: same size", max_tokens=8))))
         rids = [(name, c, await f) for name, c, f in futs]
@@ -246,10 +248,14 @@ async def test_token_shares_follow_weights_across_replicas(cluster: tuple[str, P
             assert r is not None
             results.append((name, r))
     order = sorted(results, key=lambda nr: (nr[1].timings.queue_ms or 0.0))
-    first = Counter(name for name, _ in order[20:100])  # both still backlogged here
-    by_router = Counter(r.decision.get("router") for _, r in results)
-    ratio = first["heavy"] / max(1, first["slim"])
-    print(f"dispatches 20-100: {dict(first)} ratio {ratio:.2f} (weights 3:1); dispatched by {dict(by_router)}")
+    first = Counter(name for name, _ in order[window[0]:window[1]])
+    return first["heavy"] / max(1, first["slim"]), Counter(str(r.decision.get("router")) for _, r in results)
+
+
+async def test_token_shares_follow_weights_across_replicas(cluster: tuple[str, Path, list]) -> None:  # type: ignore[type-arg]
+    url, _, _ = cluster
+    ratio, by_router = await weighted_split(url, 120, (20, 100))
+    print(f"dispatches 20-100: heavy:slim {ratio:.2f} (weights 3:1); dispatched by {dict(by_router)}")
     assert len(by_router) >= 2  # more than one replica dispatched
     assert 2.0 <= ratio <= 4.5  # the bounds of the one-router test
 

@@ -8,6 +8,7 @@ import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -206,13 +207,26 @@ async def test_tenant_subscribes_its_own_stream(cluster: Cluster, router: NATS, 
     res = await tenant_a.nc.subscribe("ss.result.A.>")
     fin = await tenant_a.nc.subscribe("ss.evt.finished.A.>")
     await tenant_a.nc.flush()
-    await router.publish("ss.stream.A.r1", b"delta")
-    await router.publish("ss.evt.finished.A.r1", b"done")
-    await router.flush()
-    assert (await sub.next_msg(timeout=10)).data == b"delta"
-    assert (await fin.next_msg(timeout=10)).data == b"done"
-    await _publish_result(router, "A", "r-sub", b"result")
-    assert (await res.next_msg(timeout=10)).data == b"result"
+
+    async def received(s: Any, send: Any, data: bytes) -> bool:
+        # Sent again until it arrives (at most 10 times): rarely, on a loaded machine, one core message to a
+        # subscription made just before went missing here (CI, 2 of ~10 runs); what this test checks is that
+        # the tenant may subscribe to its own subjects and gets what is sent there.
+        for _ in range(10):
+            await send()
+            try:
+                return bool((await s.next_msg(timeout=1.0)).data == data)
+            except nats.errors.TimeoutError:
+                continue
+        return False
+
+    async def pub(subject: str, data: bytes) -> None:
+        await router.publish(subject, data)
+        await router.flush()
+
+    assert await received(sub, lambda: pub("ss.stream.A.r1", b"delta"), b"delta")
+    assert await received(fin, lambda: pub("ss.evt.finished.A.r1", b"done"), b"done")
+    assert await received(res, lambda: _publish_result(router, "A", "r-sub", b"result"), b"result")
     assert tenant_a.errors == []
 
 
