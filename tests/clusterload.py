@@ -56,6 +56,15 @@ class LoadReport:
     def max_stall_s(self) -> float:
         return max(self.stalls, default=0.0)
 
+    def assert_nothing_lost(self, min_accepted: int) -> None:
+        """Enough load was accepted, every accepted request completed once, and its end was stored once (the wire
+        saw it; SS_USAGE keeps it)."""
+        assert len(self.accepted) > min_accepted, self.summary()
+        assert not self.lost, (self.summary(), sorted(self.lost)[:10], list(self.failed_after_accept.items())[:10])
+        assert not self.failed_after_accept, list(self.failed_after_accept.items())[:10]
+        assert not self.duplicated, self.duplicated
+        assert set(self.usage_records) >= self.accepted
+
     def summary(self) -> str:
         return (f"accepted {len(self.accepted)}, completed {len(self.completed)}, lost {len(self.lost)}, "
                 f"duplicated {len(self.duplicated)}, failed after accept {len(self.failed_after_accept)}, "

@@ -33,6 +33,13 @@ def _cdf(ax: Any, xs: Sequence[float], label: str) -> None:
     ax.plot(pts, [min(1.0, i * step / n) for i in range(len(pts) - 1)] + [1.0], label=label)
 
 
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_cdfs(results: Mapping[str, SimResult], path: Path) -> Path:
     plt = _plt()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
@@ -46,10 +53,7 @@ def plot_cdfs(results: Mapping[str, SimResult], path: Path) -> Path:
         ax.set_xscale("log")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_goodput(curves: Mapping[str, Sequence[Mapping[str, Any]]], path: Path) -> Path:
@@ -63,10 +67,7 @@ def plot_goodput(curves: Mapping[str, Sequence[Mapping[str, Any]]], path: Path) 
     ax.set_ylabel("goodput (req/s meeting the SLO)")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_utilisation(result: SimResult, path: Path) -> Path:
@@ -80,10 +81,7 @@ def plot_utilisation(result: SimResult, path: Path) -> Path:
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_all(result: SimResult, out_dir: Path, curves: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
