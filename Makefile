@@ -38,7 +38,7 @@ run: setup
 	$(VENV)/bin/splitserve up $(ARGS)
 
 test: setup sysdeps
-	$(VENV)/bin/pytest -q -rs -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: setup sysdeps
 	$(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)

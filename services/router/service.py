@@ -866,13 +866,17 @@ class RouterService(Service):
                                f"request {rid} already ended ({rec.status}); use a new request id")
             return
         if rec.state == "queued":
-            # Its router may have died between registering and queueing it: store it again. The queue's
-            # Nats-Msg-Id dedupe makes this a no-op when it is there; a second copy is harmless anyway (dispatch
-            # takes a request only by moving its record from queued to dispatched).
-            with contextlib.suppress(Exception):
+            # Its router may have died between registering and queueing it (or its store timed out): store it
+            # again. The queue's Nats-Msg-Id dedupe makes this a no-op when it is there; a second copy is harmless
+            # anyway (dispatch takes a request only by moving its record from queued to dispatched). Not stored
+            # means not accepted: the caller hears so and may retry, rather than wait for a request no queue holds.
+            try:
                 await self.wq.enqueue(QueuedRequest(request=req, prompt_token_ids=ids, router_id=rec.accepted_by,
-                                                    accepted_ms=rec.accepted_ms,
-                                                    record_revision=rev))
+                                                    accepted_ms=rec.accepted_ms, record_revision=rev))
+            except Exception as exc:
+                await self._reject(req, msg, ErrorCode.BUSY, f"the request queue did not take the re-sent request: "
+                                   f"{exc}", retry_after_s=1.0)
+                return
         self.log.info("duplicate_request_reattached", request_id=rid, tenant=req.tenant, state=rec.state,
                       owner=rec.owner)
         await self.b.respond(msg, Accepted(request_id=rid, router_id=self.worker_id, prompt_tokens=len(ids)))

@@ -54,8 +54,6 @@ async def _replicas(url: str, stream: str) -> int:
         await nc.close()
 
 
-@pytest.mark.skip(reason="open bug (issue 13 note): with a NATS node and then a router SIGKILLed, 1 accepted streaming "
-                  "request of ~300 got no token (2 of 6 runs: once lost, once a client connection never came back)")
 async def test_three_routers_on_a_three_node_cluster_survive_a_node_and_a_router(nats_cluster: NatsCluster,
                                                                                 tmp_path: Path) -> None:
     cluster = nats_cluster

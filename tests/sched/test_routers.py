@@ -14,6 +14,7 @@ With three routers every promise of one router holds cluster-wide:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -44,6 +45,7 @@ tenants:
   capped: {max_inflight: 4}
   metered: {tokens_per_minute: 2500}
   resend: {}
+  requeue: {}
   killme: {}
 """
 
@@ -157,6 +159,58 @@ async def test_resend_to_another_replica_reattaches(cluster: tuple[str, Path, li
         await wire.close()
 
 
+async def test_a_registered_request_no_queue_holds_is_accepted_only_once_stored(
+        cluster: tuple[str, Path, list]) -> None:  # type: ignore[type-arg]
+    """A router registered a request and died (or its store timed out) before the queue held it; the client
+    re-sends it to another replica. That replica stores it before saying Accepted: while the queue refuses the
+    store (here: the queue stream full), the answer is a retryable ``busy``, not an Accepted for a request that
+    no queue holds and so would never run (a request lost this way in the NATS fail-over test). Once the store
+    works, the re-send is accepted and the request runs, once."""
+    from nats.js.api import DiscardPolicy
+
+    url, _, _ = cluster
+    wire = _Wire()
+    await wire.start(url, "requeue")
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    rid = "requeue-1"
+    req = GenerateRequest(request_id=rid, tenant="requeue", prompt="registered, never queued",
+                          sampling=SamplingParams(max_tokens=8), stream_subject=Subjects.result("requeue", rid),
+                          stream=False)
+    kv = await js.key_value(Subjects.REQUESTS_BUCKET)
+    await kv.create(rid, proto.encode(proto.RequestRecord(request_id=rid, tenant="requeue", state="queued",
+                                                          stream_subject=req.stream_subject, prompt_tokens=4,
+                                                          max_tokens=8, accepted_by="router-gone")))
+    deadline = time.monotonic() + 30
+    while (await js.stream_info(Subjects.QUEUE_STREAM)).state.messages and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)  # earlier tests' requests still queued or running
+    original = (await js.stream_info(Subjects.QUEUE_STREAM)).config
+    filler = Subjects.queue("nobody", 0)  # no such tenant: no lane ever reads it
+    try:
+        # The queue full (one message, discard new): any store fails, as one during a leader election may.
+        await js.update_stream(dataclasses.replace(original, max_msgs=1, discard=DiscardPolicy.NEW))
+        await js.publish(filler, b"{}")
+        reply = await nc.request(Subjects.request("requeue"), proto.encode(req), timeout=10)
+        err = proto.decode(reply.data, StreamError)
+        assert err.code == proto.ErrorCode.BUSY and err.retryable, err
+        assert "did not take the re-sent request" in err.message, err.message
+    finally:
+        await js.update_stream(original)
+        await js.purge_stream(Subjects.QUEUE_STREAM, subject=filler)
+    try:
+        acc = proto.decode((await nc.request(Subjects.request("requeue"), proto.encode(req), timeout=10)).data,
+                           Accepted)
+        assert acc.request_id == rid
+        deadline = time.monotonic() + 30
+        while wire.terminals[rid] < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)
+        assert wire.terminals[rid] == 1 and wire.finished[rid] == 1, (wire.terminals, wire.finished)
+    finally:
+        await nc.close()
+        await wire.close()
+
+
 async def _capped_waves(url: str, waves: int) -> tuple[dict[str, float], int, _Wire]:
     """Bursts of 20 requests of tenant "capped" (max_inflight 4) over all routers, while earlier ones still run.
     Returns when each accepted one was accepted, how many were refused, and the wire's record of them."""
@@ -176,6 +230,10 @@ async def _capped_waves(url: str, waves: int) -> tuple[dict[str, float], int, _W
                     refused += 1
                 except errors.Timeout:
                     pass  # reached a router that was killed before answering: never accepted
+                except errors.SplitserveError as exc:
+                    # a NATS node died: the registry or queue briefly unreachable (leaders being elected), so
+                    # the router said "busy, retry" (retryable); not accepted, so nothing to lose
+                    assert exc.retryable and exc.code == proto.ErrorCode.BUSY, exc
 
             for wave in range(waves):
                 await asyncio.gather(*(one(wave * 20 + i) for i in range(20)))
