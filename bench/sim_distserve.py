@@ -51,9 +51,9 @@ What differs (why the figures still need not agree):
   (k uniform in 1..turns-1, so it carries the history, the assistant's answers included) and the output is
   turn k+1 alone (a user turn when k is even) (``0-prepare-dataset.py`` ``read_dataset``). Here the only
   ShareGPT lengths are sarathi-serve's (llama2 tokenizer, whole conversations: p50 1,730 prompt tokens),
-  filtered to < 2,048 tokens: mean ~606 prompt / ~396 output tokens over the 14,561 kept (the 300-request
-  sample: ~627 / ~416). Their outputs are one turn, so shorter, and their prompts carry the history, so
-  longer: less decode work and more prefill work per request than ours. With our lengths the decoder's P90
+  filtered to < 2,048 tokens: mean ~606 prompt / ~396 output tokens over the 14,561 kept (this bench's
+  seed-0 sample of 300: 567 / 405). Their outputs are one turn, so shorter, and their prompts carry the
+  history, so longer: less decode work and more prefill work per request than ours. With our lengths the decoder's P90
   TPOT is what binds (P90 TTFT stays ~0.14-0.17 s on a TP-2 prefill up to 7.5 req/s);
 * which simulator made 1.56: the README figure was committed (0acb5db, April 2024) when
   ``simulate_dist.py`` built every worker with ``TP_Decode=TP_Prefill``, so "prefill TP 2 + decode TP 1"
