@@ -64,6 +64,7 @@ class SimConfig:
     block_size: int = 16
     max_seqs: int = 256
     decode_token_budget: int = 2048  # tokens per decoder step (decodes + prefill chunks)
+    decode_ctx_budget: int | None = None  # context tokens one decode step may read (None: every stream, each step)
     chunked_prefill: bool = True
     fused_steps: bool = True  # a prefill chunk rides in the decode step's pass (vLLM); False: separate passes
     prefill_token_budget: int = 8192
@@ -135,7 +136,7 @@ class Sim:
             w = DecodeWorker(f"d{i}" if pool == "general" else f"ld{i - cfg.decode}", dfit,
                              blocks(cfg.gpus_per_decode), bs, self, max_seqs=cfg.max_seqs,
                              token_budget=cfg.decode_token_budget, chunked=cfg.chunked_prefill, pool=pool,
-                             fused=cfg.fused_steps)
+                             fused=cfg.fused_steps, ctx_budget=cfg.decode_ctx_budget)
             self.decoders.append(w)
         self.prefillers = [PrefillWorker(f"p{i}", pfit, blocks(cfg.gpus_per_prefill), bs, self,
                                          token_budget=cfg.prefill_token_budget, kv_bytes_per_token=self.kv_bpt)

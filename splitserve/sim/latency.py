@@ -6,7 +6,11 @@ Every model is a :class:`StepFit` (the form DistServe's simulator uses, per mode
 * decode ms  = a + b * sum(context tokens) + c * batch            (one token for each of ``batch`` streams;
                                                                    small- and large-batch fits apart)
 
-and a mixed step (chunked prefill: decodes riding along with prefill chunks) costs the prefill of the
+Every step may also carry a worker overhead: ``overhead_ms`` plus ``overhead_per_token_ms`` for each context
+token the step touches (the prompts' tokens for a prefill, the streams' context for a decode; DistServe's
+simulator adds 2 ms + 1e-4 ms per context token to every step for its Ray workers, see :func:`distserve`).
+
+A mixed step (chunked prefill: decodes riding along with prefill chunks) costs the prefill of the
 chunks plus the decode terms beyond the fixed per-pass cost (one pass reads the weights once). A chunk of
 ``n`` tokens after ``p`` already-computed tokens costs ``b*n + c*(2*n*p + n^2)``, so the chunks of a prompt
 add up to the whole prompt's ``b*L + c*L^2``.
@@ -42,7 +46,8 @@ class StepFit:
     decode_small: tuple[float, float, float]
     decode_large: tuple[float, float, float] | None = None
     large_batch: int = 95  # batches of at least this many streams use ``decode_large``
-    overhead_ms: float = 0.0  # added to every step (scheduling, sampling; DistServe adds 1 ms per PP stage)
+    overhead_ms: float = 0.0  # added to every step (scheduling, sampling, RPC)
+    overhead_per_token_ms: float = 0.0  # added per context token of the step (its prompts' or streams' tokens)
 
     def prefill_ms(self, lengths: Sequence[int]) -> float:
         a, b, c = self.prefill
@@ -51,19 +56,20 @@ class StepFit:
         for n in lengths:
             s += n
             s2 += n * n
-        return a + b * s + c * s2 + self.overhead_ms
+        return a + b * s + c * s2 + self.overhead_ms + self.overhead_per_token_ms * s
 
     def chunk_ms(self, chunks: Sequence[tuple[int, int]]) -> float:
         """Prefill of chunks given as (tokens, tokens already computed before the chunk)."""
         a, b, c = self.prefill
         t = a + self.overhead_ms
+        k = self.overhead_per_token_ms
         for n, p in chunks:
-            t += b * n + c * (2 * n * p + n * n)
+            t += (b + k) * n + c * (2 * n * p + n * n)
         return t
 
     def decode_ms(self, batch: int, context_tokens: int) -> float:
         a, b, c = self.decode_large if (self.decode_large and batch >= self.large_batch) else self.decode_small
-        return a + b * context_tokens + c * batch + self.overhead_ms
+        return a + b * context_tokens + c * batch + self.overhead_ms + self.overhead_per_token_ms * context_tokens
 
     def mixed_ms(self, chunks: Sequence[tuple[int, int]], batch: int, context_tokens: int) -> float:
         if not chunks:
@@ -71,7 +77,7 @@ class StepFit:
         t = self.chunk_ms(chunks)
         if batch:
             a, b, c = self.decode_large if (self.decode_large and batch >= self.large_batch) else self.decode_small
-            t += b * context_tokens + c * batch
+            t += (b + self.overhead_per_token_ms) * context_tokens + c * batch
         return t
 
     def prefill_tokens_per_s(self, tokens: int = 512) -> float:
@@ -86,13 +92,18 @@ class StepFit:
             return (t[0] * factor, t[1] * factor, t[2] * factor)
         return StepFit(name or f"{self.name}x{factor:g}", m(self.prefill), m(self.decode_small),
                        m(self.decode_large) if self.decode_large else None, self.large_batch,
-                       self.overhead_ms * factor)
+                       self.overhead_ms * factor, self.overhead_per_token_ms * factor)
 
 
 _MODEL_ALIASES = {"opt-13b": "facebook/opt-13b", "opt-66b": "facebook/opt-66b"}
 
 
-def distserve(model: str = "opt-13b", tp: int = 1, path: Path | None = None) -> StepFit:
+def distserve(model: str = "opt-13b", tp: int = 1, path: Path | None = None, worker_overhead: bool = False) -> StepFit:
+    """DistServe's A100-80G fit for ``model`` at TP ``tp``, as its estimator applies it
+    (``simdistserve/estimators/time_estimator.py``: ``get_prefill_time`` adds 1 ms per pipeline stage).
+    ``worker_overhead``: also the 2 ms + 1e-4 ms per context token its simulated worker adds to every prefill and
+    decode step (``simdistserve/base/worker.py``, ``Worker.add_ray_overhead``, called by ``do_prefill`` and
+    ``do_decode``)."""
     data = json.loads((path or CALIB_DIR / "profiler-a100-80g.distserve.json").read_text())
     key = _MODEL_ALIASES.get(model, model)
     if key not in data:
@@ -103,8 +114,10 @@ def distserve(model: str = "opt-13b", tp: int = 1, path: Path | None = None) -> 
     d = per_tp[str(tp)]
     a, b, c = d["prefill"]
     # DistServe's estimator adds 1 ms per pipeline stage to a prefill step (none to a decode step)
-    return StepFit(f"distserve/{model}/a100/tp{tp}", (a + 1.0, b, c), tuple(d["decoding_smallbs"]),
-                   tuple(d["decoding_largebs"]), int(d["decoding_large_small_bs_threshold"]))
+    return StepFit(f"distserve/{model}/a100/tp{tp}" + ("+worker" if worker_overhead else ""), (a + 1.0, b, c),
+                   tuple(d["decoding_smallbs"]), tuple(d["decoding_largebs"]),
+                   int(d["decoding_large_small_bs_threshold"]), overhead_ms=2.0 if worker_overhead else 0.0,
+                   overhead_per_token_ms=1e-4 if worker_overhead else 0.0)
 
 
 def _lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
@@ -207,5 +220,5 @@ def latency_model(spec: str) -> StepFit:
         d = json.loads(p.read_text())
         return StepFit(d.get("name", p.stem), tuple(d["prefill"]), tuple(d["decode_small"]),
                        tuple(d["decode_large"]) if d.get("decode_large") else None, int(d.get("large_batch", 95)),
-                       float(d.get("overhead_ms", 0.0)))
+                       float(d.get("overhead_ms", 0.0)), float(d.get("overhead_per_token_ms", 0.0)))
     raise ValueError(f"unknown latency model {spec!r}: distserve:MODEL:tpN, splitwise:MODEL:GPU:tpN or a JSON file")

@@ -9,7 +9,9 @@ the latency model how long that batch takes, and applies the batch's effects whe
 * :class:`DecodeWorker` - continuous batching: every running stream gets one token per step; requests routed
   *direct* are prefilled locally, in chunks of the step's spare token budget riding along with the decodes
   (chunked prefill, as vLLM and Sarathi do) or, with chunking off, as whole prompts in steps of their own
-  that pause every stream. Admission reserves KV blocks for the prompt's uncached part and the output
+  that pause every stream. With a ``ctx_budget`` a step decodes only the streams whose context fits it, taken
+  in turn (the rest wait a step; DistServe's simulated decoder caps a step at 50,000 context tokens). Admission
+  reserves KV blocks for the prompt's uncached part and the output
   (no preemption), evicting least-recently-used unpinned prefix blocks when it must; a request that still
   does not fit waits.
 
@@ -277,7 +279,7 @@ class DecodeWorker(_Worker):
 
     def __init__(self, wid: str, model: StepFit, kv_blocks: int, block_size: int, ctx: Cluster, *,
                  max_seqs: int = 256, token_budget: int = 2048, chunked: bool = True, pool: str = "general",
-                 fused: bool = True) -> None:
+                 fused: bool = True, ctx_budget: int | None = None) -> None:
         super().__init__(wid, model, kv_blocks, block_size, ctx)
         self.max_seqs = max_seqs
         self.token_budget = token_budget
@@ -292,6 +294,7 @@ class DecodeWorker(_Worker):
         self.ctx_sum = 0
         self.rate = model.prefill_tokens_per_s()
         self.preemptions = 0
+        self.ctx_budget = ctx_budget
 
     # --- admission ---------------------------------------------------------------------------------------
     def submit_direct(self, s: Seq) -> None:
@@ -383,10 +386,17 @@ class DecodeWorker(_Worker):
     # --- the step loop -------------------------------------------------------------------------------------
     def _step(self, _: object) -> None:
         loop = self.c.loop
+        last = None
         if self.step_batch is not None:
             self._apply(*self.step_batch)
+            last = self.step_batch[0]
             self.step_batch = None
         self._admit()
+        if self.ctx_budget is not None and last:
+            # the streams just decoded go to the back of the line, behind those that waited and those that
+            # arrived during the step (DistServe: a decoded batch is re-queued at the end of the decode queue)
+            was = set(map(id, last))
+            self.running = [s for s in self.running if id(s) not in was] + [s for s in self.running if id(s) in was]
         chunks: list[tuple[Seq, int]] = []
         if self.prefilling:
             if self.chunked:
@@ -400,6 +410,18 @@ class DecodeWorker(_Worker):
             else:
                 chunks = [(s, s.todo) for s in self.prefilling]
         decodes = self.running if (self.chunked or not chunks) else []
+        ctx = self.ctx_sum
+        if decodes and self.ctx_budget is not None and ctx + len(decodes) > self.ctx_budget:
+            # the streams in line order while their context (+ the token they add) fits; at least one
+            left = self.ctx_budget
+            n = 0
+            for s in decodes:
+                if s.ctx + 1 > left and n:
+                    break
+                left -= s.ctx + 1
+                n += 1
+            decodes = decodes[:n]
+            ctx = sum(s.ctx for s in decodes)
         if not chunks and not decodes:
             self.busy = False
             self.flush_events()
@@ -407,11 +429,11 @@ class DecodeWorker(_Worker):
         if chunks and not self.fused:
             # an engine that runs a prefill chunk and a decode step as separate passes (the hf engine)
             dur = self.model.chunk_ms([(n, s.done) for s, n in chunks]) + (
-                self.model.decode_ms(len(decodes), self.ctx_sum) if decodes else 0.0)
+                self.model.decode_ms(len(decodes), ctx) if decodes else 0.0)
         elif chunks:
-            dur = self.model.mixed_ms([(n, s.done) for s, n in chunks], len(decodes), self.ctx_sum if decodes else 0)
+            dur = self.model.mixed_ms([(n, s.done) for s, n in chunks], len(decodes), ctx if decodes else 0)
         else:
-            dur = self.model.decode_ms(len(decodes), self.ctx_sum)
+            dur = self.model.decode_ms(len(decodes), ctx)
         dur /= 1000.0
         if decodes and not chunks:
             e = self.step_ms_ema

@@ -78,12 +78,16 @@ def test_sim_plan_cli_reports_no_fit_with_exit_1() -> None:
 
 
 def test_distserve_published_config_smoke() -> None:
-    """bench.sim_distserve in small: DistServe's fits, ShareGPT lengths, prefill TP2 + decode TP1. Our simulator
-    puts this config's best per-GPU rate at ~1.9 req/s (DistServe's README: 1.56; see the bench for what differs):
-    1.25 passes and 2.5 fails here, which brackets both."""
-    from bench.sim_distserve import attains
+    """bench.sim_distserve in small: DistServe's fits and modelling, ShareGPT lengths, prefill TP2 + decode TP1.
+    With DistServe's current simulator (decoders at their own TP) this config's per-GPU rate is ~0.94-1.1 req/s
+    here (the decoder's P90 TPOT binds): 0.6 passes and 1.5 fails. With the simulator the README's 1.56 came from
+    (decoders at the prefill's TP) it is ~2.2 here: 1.5 passes."""
+    from dataclasses import replace
 
-    assert attains(2, 1, 1.25, n=300, seeds=2)
-    assert not attains(2, 1, 2.5, n=300, seeds=2)
+    from bench.sim_distserve import DISTSERVE, attains
+
+    assert attains(2, 1, 0.6, n=300, seeds=2)
+    assert not attains(2, 1, 1.5, n=300, seeds=2)
+    assert attains(2, 1, 1.5, n=300, seeds=2, m=replace(DISTSERVE, readme_era=True))
     reqs = load_sharegpt(limit=50, rate=2.0, max_total_tokens=2048)
     assert all(r.prompt_tokens + r.output_tokens <= 2048 for r in reqs)

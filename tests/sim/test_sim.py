@@ -15,6 +15,7 @@ from splitserve.cache.index import PrefixIndex
 from splitserve.sim import (
     SimConfig,
     SimRequest,
+    SimResult,
     WorkloadError,
     distserve,
     load_azure,
@@ -101,6 +102,35 @@ def test_distserve_fit_is_their_formula() -> None:
     assert f.decode_ms(100, 5000) != pytest.approx(a + b * 5000 + c * 100)  # the large-batch fit
     with pytest.raises(ValueError, match="TP 3"):
         distserve("opt-13b", 3)
+
+
+def test_distserve_worker_overhead_is_their_ray_overhead() -> None:
+    """simdistserve's Worker.add_ray_overhead: 2 ms + 1e-4 ms per context token on every prefill and decode step."""
+    f0, f = distserve("opt-13b", 1), distserve("opt-13b", 1, worker_overhead=True)
+    assert f.prefill_ms([500, 300]) == pytest.approx(f0.prefill_ms([500, 300]) + 2.0 + 1e-4 * 800)
+    assert f.decode_ms(10, 5000) == pytest.approx(f0.decode_ms(10, 5000) + 2.0 + 1e-4 * 5000)
+    assert f.decode_ms(100, 50000) == pytest.approx(f0.decode_ms(100, 50000) + 2.0 + 5.0)
+    assert f.scaled(2.0).decode_ms(10, 5000) == pytest.approx(2 * f.decode_ms(10, 5000))
+
+
+def test_decode_ctx_budget_decodes_streams_in_turn() -> None:
+    """A step reads at most ``decode_ctx_budget`` context tokens (DistServe's decoder: 50,000); the streams that
+    do not fit wait a step, and the line rotates so that every stream keeps moving."""
+    # a short first request takes the idle prefiller alone, so the four long ones are prefilled in one batch
+    reqs = [SimRequest("short", 0.0, 1, 2)] + [SimRequest(f"r{i}", 0.0, 1000, 11) for i in range(4)]
+    free = simulate(cpu_cfg(strategy="roundrobin", disagg_threshold=0), reqs)
+    capped = simulate(cpu_cfg(strategy="roundrobin", disagg_threshold=0, decode_ctx_budget=2100), reqs)
+    assert free.summary["finished"] == capped.summary["finished"] == 5
+
+    def tpots(res: SimResult) -> list[float]:
+        return [r["tpot_s"] for r in res.requests if r["prompt"] == 1000]
+
+    # free: the four streams share 20 ms + 1 ms/stream steps; capped, two 1,001-token streams fit a step, so each
+    # gets a token every other (22 ms) step
+    assert all(0.021 <= t <= 0.026 for t in tpots(free))
+    assert all(0.040 <= t <= 0.046 for t in tpots(capped))
+    roomy = simulate(cpu_cfg(strategy="roundrobin", disagg_threshold=0, decode_ctx_budget=10**6), reqs)
+    assert tpots(roomy) == tpots(free)
 
 
 @given(st.lists(st.integers(1, 700), min_size=1, max_size=12))
