@@ -317,10 +317,10 @@ class Pump:
     """Reads a :class:`Relay` ahead from its own task and watches for the caller's disconnect, so the request's
     own task only ever waits for "something to do": new deltas, the end, an error, or the caller gone.
 
-    Deltas that pile up while the writer is busy (the HTTP client reads slower than the stream: its send
-    buffer is full and ``send`` waits) are taken together and go out as one coalesced SSE chunk; a client that
-    keeps up gets every delta on its own, the moment it arrives. Two plain asyncio tasks per request, no task
-    group or cancel scope on the per-token path.
+    Deltas that pile up while the writer is blocked (the HTTP client reads slower than the stream: its send
+    buffer is full and ``send`` waits) are taken together and merged into one SSE event; a client that keeps
+    up gets every delta as its own event, the moment it arrives (deltas that came in one burst go in one
+    write). Two plain asyncio tasks per request, no task group or cancel scope on the per-token path.
     """
 
     def __init__(self, relay: Relay, receive: Receive) -> None:
@@ -348,7 +348,8 @@ class Pump:
         wake.set()
 
     async def _watch(self, receive: Receive) -> None:
-        await until_disconnected(receive)
+        with contextlib.suppress(Exception):  # a server that raises on a dead connection: gone all the same
+            await until_disconnected(receive)
         self.gone = True
         self._wake.set()
 
@@ -370,11 +371,11 @@ class Pump:
         """Idempotent: stop the watcher and the reader (which runs the stream's cleanup), then close the relay."""
         self._watcher.cancel()
         self._reader.cancel()
-        with anyio.CancelScope(shield=True):
-            for t in (self._reader, self._watcher):
-                with contextlib.suppress(BaseException):
-                    await t
-        await self.relay.close()
+        try:
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait((self._reader, self._watcher))  # the reader ran the stream's own cleanup
+        finally:
+            await self.relay.close()
 
 
 class EventStreamResponse(Response):
