@@ -13,12 +13,14 @@ releases its NATS subscription) and, if the request may still be running server-
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from json.encoder import encode_basestring
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -297,72 +299,171 @@ def sse(obj: dict[str, Any] | str) -> bytes:
 
 
 DONE = sse("[DONE]")
+_MARK = "\x00splitserve-text\x00"
+
+
+def text_event_encoder(r: oa.Responder) -> Callable[[str], bytes]:
+    """``sse(r.text_chunk(text))`` for a request without logprobs, byte for byte, with the envelope encoded
+    once per request: each token's event then costs one string escape, not a dict build and a JSON dump."""
+    whole = sse(r.text_chunk(_MARK)).decode()
+    parts = whole.split(encode_basestring(_MARK))
+    if len(parts) != 2:  # the mark also appears in the envelope (a model named after it): no shortcut
+        return lambda text: sse(r.text_chunk(text))
+    head, tail = parts[0].encode(), parts[1].encode()
+    return lambda text: head + encode_basestring(text).encode() + tail
+
+
+class Pump:
+    """Reads a :class:`Relay` ahead from its own task and watches for the caller's disconnect, so the request's
+    own task only ever waits for "something to do": new deltas, the end, an error, or the caller gone.
+
+    Deltas that pile up while the writer is blocked (the HTTP client reads slower than the stream: its send
+    buffer is full and ``send`` waits) are taken together and merged into one SSE event; a client that keeps
+    up gets every delta as its own event, the moment it arrives (deltas that came in one burst go in one
+    write). Two plain asyncio tasks per request, no task group or cancel scope on the per-token path.
+    """
+
+    def __init__(self, relay: Relay, receive: Receive) -> None:
+        self.relay = relay
+        self.items: list[Delta] = []
+        self.received = 0  # deltas read so far
+        self.done = False  # the stream ended normally (relay.result is set)
+        self.error: Exception | None = None  # what the stream raised
+        self.gone = False  # the HTTP caller disconnected
+        self._wake = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read())
+        self._watcher = loop.create_task(self._watch(receive))
+
+    async def _read(self) -> None:
+        relay, wake = self.relay, self._wake
+        try:
+            while (delta := await relay.next()) is not None:
+                self.items.append(delta)
+                self.received += 1
+                wake.set()
+            self.done = True
+        except Exception as exc:
+            self.error = exc
+        wake.set()
+
+    async def _watch(self, receive: Receive) -> None:
+        with contextlib.suppress(Exception):  # a server that raises on a dead connection: gone all the same
+            await until_disconnected(receive)
+        self.gone = True
+        self._wake.set()
+
+    @property
+    def over(self) -> bool:
+        return self.done or self.error is not None or self.gone
+
+    async def take(self) -> list[Delta]:
+        """Every delta received since the last take; waits until there is one, or the stream is over."""
+        while not self.items and not self.over:
+            self._wake.clear()
+            await self._wake.wait()
+        items = self.items
+        if items:
+            self.items = []
+        return items
+
+    async def close(self) -> None:
+        """Idempotent: stop the watcher and the reader (which runs the stream's cleanup), then close the relay."""
+        self._watcher.cancel()
+        self._reader.cancel()
+        try:
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait((self._reader, self._watcher))  # the reader ran the stream's own cleanup
+        finally:
+            await self.relay.close()
 
 
 class EventStreamResponse(Response):
-    """Server-sent events relayed from a :class:`Relay`, which this response closes whatever happens. It
-    watches for the caller's disconnect itself (any ASGI server, any spec version) and stops at once."""
+    """Server-sent events relayed from a :class:`Pump`, which this response closes whatever happens. The pump
+    watches for the caller's disconnect (any ASGI server, any spec version): the stream stops at once."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, relay: Relay, responder: oa.Responder, first: Delta | None) -> None:
-        self.relay = relay
+    def __init__(self, pump: Pump, responder: oa.Responder, first: list[Delta]) -> None:
+        self.pump = pump
         self.responder = responder
         self.first = first
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _events(self) -> AsyncIterator[bytes]:
-        r = self.responder
-        opening = r.first_chunk()
-        if opening is not None:
-            yield sse(opening)
-        delta = self.first
-        held: list[Any] = []  # logprobs of tokens whose text is held back: they go with the next text
-        while delta is not None:
-            if delta.logprobs:
-                held.extend(delta.logprobs)
-            if delta.text:  # a delta can be empty while the detokenizer holds back a partial character
-                yield sse(r.text_chunk(delta.text, held if r.logprobs else None))
-                held = []
-            try:
-                delta = await self.relay.next()
-            except errors.SplitserveError as exc:
-                # Headers are gone: the error travels as an event (the openai client raises APIError on it).
-                yield sse(oa.api_error_from(exc, kind=r.kind).body())
-                yield DONE
-                return
-        yield sse(r.finish_chunk(self.relay.result))
-        if r.include_usage:
-            yield sse(r.usage_chunk(self.relay.result))
-        yield DONE
-
     async def _pump(self, send: Send) -> None:
+        r = self.responder
+        pump = self.pump
+        text_event = None if r.logprobs else text_event_encoder(r)  # pre-encoded envelope (no logprobs)
+        held: list[Any] = []  # logprobs of tokens whose text is held back: they go with the next text
+
+        def events(items: list[Delta], merge: bool) -> bytes:
+            # A delta can be empty while the detokenizer holds back a partial character: no event for it.
+            nonlocal held
+            out = []
+            for group in ([items] if merge else [[d] for d in items]):
+                text = group[0].text if len(group) == 1 else "".join(d.text for d in group)
+                for d in group:
+                    if d.logprobs:
+                        held.extend(d.logprobs)
+                if text:
+                    if text_event is not None:
+                        out.append(text_event(text))
+                    else:
+                        out.append(sse(r.text_chunk(text, held if r.logprobs else None)))
+                        held = []
+            return b"".join(out)
+
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         try:
-            async for chunk in self._events():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            opening = r.first_chunk()
+            head = sse(opening) if opening is not None else b""
+            items = self.first
+            behind = False
+            while not pump.gone:
+                if items:
+                    # Deltas that came in a burst while we waited: one event each, written together. Deltas
+                    # that came while the last write was blocked (the client reads slower than the stream):
+                    # merged into one event.
+                    body = head + events(items, behind)
+                    head = b""
+                    if body:
+                        seen = pump.received
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
+                        behind = pump.received != seen  # the reader only runs while this task waits
+                elif pump.error is not None:
+                    exc = pump.error
+                    if not isinstance(exc, errors.SplitserveError):
+                        raise exc
+                    # Headers are gone: the error travels as an event (the openai client raises APIError on it).
+                    body = head + sse(oa.api_error_from(exc, kind=r.kind).body()) + DONE
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    break
+                elif pump.done:
+                    result = pump.relay.result
+                    body = head + sse(r.finish_chunk(result))
+                    if r.include_usage:
+                        body += sse(r.usage_chunk(result))
+                    await send({"type": "http.response.body", "body": body + DONE, "more_body": True})
+                    break
+                items = await pump.take()
+            else:
+                return  # the caller is gone: nothing more to send
         except Exception as exc:  # a bug mid-stream: tell the caller in-band rather than cutting the stream
-            log.exception("stream_failed", request_id=self.relay.request_id, error=str(exc))
-            err = internal_error(self.relay.request_id)
+            if pump.gone:
+                return
+            log.exception("stream_failed", request_id=pump.relay.request_id, error=str(exc))
+            err = internal_error(pump.relay.request_id)
             await send({"type": "http.response.body", "body": sse(err.body()) + DONE, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async with anyio.create_task_group() as tg:
-
-                async def watch() -> None:
-                    await until_disconnected(receive)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(watch)
-                with contextlib.suppress(OSError):  # the connection broke under a send: a disconnect too
-                    await self._pump(send)
-                tg.cancel_scope.cancel()
+            with contextlib.suppress(OSError):  # the connection broke under a send: a disconnect too
+                await self._pump(send)
         finally:
-            await self.relay.close()
+            await self.pump.close()
 
 
 # ---------------------------------------------------------------------------------------------- the app
@@ -438,7 +539,9 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
         err = internal_error(rid)
         return JSONResponse(err.body(), status_code=500, headers={REQUEST_ID_HEADER: rid} if rid else None)
 
-    def tenant_of(request: Request) -> str:
+    async def tenant_of(request: Request) -> str:
+        # async on purpose: FastAPI runs a plain-def dependency in its thread pool, a thread hop (and two
+        # wake-ups) on every request's critical path for a dict lookup.
         return auth.tenant(request.headers.get("authorization"))
 
     def served_model(requested: str | None) -> str:
@@ -465,14 +568,21 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
         inflight[rid] = tenant
         relay = Relay(stream, request_id=rid, cancel=backend.cancel_request,
                       on_closed=lambda r: inflight.pop(r, None))
+        pump: Pump | None = None
         handed_over = False
         try:
             if args.stream:
                 # Wait for the first token before sending headers, so that everything the router rejects
                 # up front (too long, no workers, quota) still gets its own HTTP status.
-                first = await or_disconnect(relay.next, request.receive)
+                pump = Pump(relay, request.receive)
+                first = await pump.take()
+                if not first:
+                    if pump.gone:
+                        raise ClientGone
+                    if pump.error is not None:
+                        raise pump.error
                 handed_over = True
-                return EventStreamResponse(relay, responder, first)
+                return EventStreamResponse(pump, responder, first)
             result = await or_disconnect(relay.drain, request.receive)
             return JSONResponse(responder.response(result))
         except errors.SplitserveError as exc:
@@ -484,7 +594,7 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
             raise internal_error(rid) from None
         finally:
             if not handed_over:
-                await relay.close()
+                await (pump.close() if pump is not None else relay.close())
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request, tenant: str = Depends(tenant_of)) -> Response:

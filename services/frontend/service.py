@@ -105,7 +105,8 @@ class FrontendService(Service):
         sock.listen(2048)
         self.port = int(sock.getsockname()[1])
         self.url = f"http://{self.host}:{self.port}"
-        cfg = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
+        # httptools (a dependency): the C HTTP parser, not "auto" (which falls back to h11 silently).
+        cfg = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", http="httptools",
                              timeout_graceful_shutdown=self.graceful_s, timeout_keep_alive=30)
         self._server = _EmbeddedServer(cfg)
         self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))

@@ -191,11 +191,23 @@ class Service:
             structlog.contextvars.clear_contextvars()
 
 
-def run_service(svc: Service) -> None:
+def run_service(svc: Service, *, fast_loop: bool = False) -> None:
+    """Run ``svc`` until it stops. ``fast_loop``: on uvloop where it is installed (the HTTP front door: about
+    half the loop's per-wake-up cost), unless ``SPLITSERVE_UVLOOP=0``."""
+
     async def main() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, svc.request_stop)
         await svc.run()
 
-    asyncio.run(main())
+    factory = None
+    if fast_loop and os.environ.get("SPLITSERVE_UVLOOP", "1") != "0":
+        try:
+            import uvloop
+        except ImportError:  # not on this platform (Windows): the default loop
+            pass
+        else:
+            factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main())

@@ -16,7 +16,8 @@ import pytest
 from proto import ErrorCode
 from services.frontend.app import create_app, load_api_keys
 from splitserve import errors
-from tests.frontend.fakes import MODEL, FakeBackend, Script
+from splitserve.client import Delta
+from tests.frontend.fakes import MODEL, FakeBackend, FakeStream, Script, make_result
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
 
@@ -335,3 +336,73 @@ async def test_oversized_and_non_object_bodies(http: httpx2.AsyncClient, monkeyp
     monkeypatch.setattr("services.frontend.app.MAX_BODY_BYTES", 100)
     r = await http.post("/v1/completions", json={"prompt": "x" * 200})
     assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+
+
+class SlowClient(RawCall):
+    """A caller whose first body write blocks until ``release`` (its socket buffer is full, say)."""
+
+    def __init__(self, path: str, body: dict[str, Any]) -> None:
+        super().__init__(path, body)
+        self.release = asyncio.Event()
+
+    async def send(self, msg: MutableMapping[str, Any]) -> None:
+        await super().send(msg)
+        if msg["type"] == "http.response.body" and msg.get("body"):
+            await self.release.wait()
+
+
+class PacedStream(FakeStream):
+    """Deltas one loop turn apart, as they come off NATS."""
+
+    async def _run(self) -> AsyncIterator[Delta]:
+        for i, text in enumerate(self.script.deltas):
+            await asyncio.sleep(0)
+            self.yielded += 1
+            yield Delta(request_id=self.request_id, seq=i, text=text, token_ids=[i])
+        self.result = make_result("".join(self.script.deltas), request_id=self.request_id)
+        self.closed = True
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+async def test_deltas_coalesce_only_while_the_client_is_behind(backend: FakeBackend, kind: str) -> None:
+    deltas = ["a", "b", "c", "d", "e"]
+    backend.script = Script(deltas=deltas)
+    backend.generate = lambda args, *, tenant, request_id: PacedStream(backend.script, request_id)  # type: ignore[method-assign]
+    app = create_app(backend)
+    path, body = ("/v1/chat/completions", CHAT) if kind == "chat" else ("/v1/completions", {"prompt": "x"})
+    call = SlowClient(path, {**body, "stream": True})
+    task = asyncio.create_task(app(call.scope, call.receive, call.send))
+    await asyncio.wait_for(call.got_body.wait(), 5)  # the first delta went out; its write is stuck
+    for _ in range(20):  # the rest of the stream arrives meanwhile
+        await asyncio.sleep(0)
+    call.release.set()
+    await asyncio.wait_for(task, 5)
+    writes = [m["body"].decode() for m in call.sent if m["type"] == "http.response.body" and m.get("body")]
+    events = sse_events("".join(writes))[:-1]
+    key = "delta" if kind == "chat" else "text"
+    texts = [(c["choices"][0]["delta"].get("content") if kind == "chat" else c["choices"][0]["text"])
+             for c in events if c["choices"] and (key != "delta" or "content" in c["choices"][0]["delta"])]
+    # The first delta on its own (the client kept up), the four that piled up behind it as one event.
+    assert texts[:3] == (["", "a", "bcde"] if kind == "chat" else ["a", "bcde", ""])
+    assert "".join(t or "" for t in texts) == "abcde"
+
+
+async def test_fast_client_gets_every_delta_as_its_own_event(backend: FakeBackend) -> None:
+    backend.generate = lambda args, *, tenant, request_id: PacedStream(backend.script, request_id)  # type: ignore[method-assign]
+    app = create_app(backend)
+    call = RawCall("/v1/completions", {"prompt": "x", "stream": True})
+    await asyncio.wait_for(app(call.scope, call.receive, call.send), 5)
+    body = "".join(m["body"].decode() for m in call.sent if m["type"] == "http.response.body")
+    assert [c["choices"][0]["text"] for c in sse_events(body)[:-1]] == ["Hello", ",", " world", ""]
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("usage", [False, True])
+def test_pre_encoded_text_events_match_the_plain_encoding(kind: str, usage: bool) -> None:
+    from services.frontend.app import sse, text_event_encoder
+    from services.frontend.openai_api import Responder
+
+    r = Responder(kind=kind, request_id="r1", model='m "q" é', created=1, include_usage=usage)  # type: ignore[arg-type]
+    enc = text_event_encoder(r)
+    for text in ["Hello", ' "quoted" \\ back', "é 漢字 \n\t\x00 \u2028", ""]:
+        assert enc(text) == sse(r.text_chunk(text))
