@@ -13,21 +13,33 @@ For each it prints: accept latency (client send -> Accepted) and TTFT at low loa
 and throughput (requests/s from the first send to the last final, ``--concurrency`` requests outstanding,
 over ``--tenants`` tenants). The difference between the two rows is the cost of the durable queue.
 
+Where the cores go during the throughput phase: the CPU time (user + system) of the router, nats-server, the
+decoders together and this process (the load generator: the clients), each per routed request (µs/req) and
+as a share of the phase's wall time (cores). The router's µs/req is its own cost per request, the figure to
+compare between the two rows and between builds; on a small machine the others share its cores.
+``--profile-router DIR`` records the router of each mode with py-spy over the throughput phase
+(``DIR/router-{mode}.txt``, collapsed stacks: ``python -m bench.pyspy_top`` summarises them).
+
     python -m bench.queue [--requests 2000] [--concurrency 256] [--seq 100] [--decoders 2] [--max-batch 32]
-                         [--step-ms 1] [--json]
+                         [--step-ms 1] [--profile-router DIR] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from bench.stats import fmt, summary
 from splitserve.client import Client
@@ -85,6 +97,32 @@ async def _throughput(url: str, n: int, concurrency: int, tenants: int) -> dict[
     return {"requests": n, "seconds": took, "requests_per_s": (n - errors) / took, "errors": errors}
 
 
+def _cpu_s(pids: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds (user + system, children not included) used so far by each named group of processes."""
+    out: dict[str, float] = {}
+    for name, group in pids.items():
+        total = 0.0
+        for pid in group:
+            with contextlib.suppress(psutil.Error):
+                t = psutil.Process(pid).cpu_times()
+                total += t.user + t.system
+        out[name] = total
+    return out
+
+
+def _cpu_report(before: dict[str, float], after: dict[str, float], requests: int, wall_s: float) -> dict[str, Any]:
+    return {name: {"cpu_s": after[name] - before[name], "us_per_req": (after[name] - before[name]) / requests * 1e6,
+                   "cores": (after[name] - before[name]) / wall_s} for name in before}
+
+
+def _profiler(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """py-spy on a running process until stopped (SIGINT), collapsed stacks into ``out``."""
+    spy = Path(sys.executable).with_name("py-spy")
+    return subprocess.Popen([str(spy), "record", "--pid", str(pid), "--rate", "200", "--format", "raw",
+                             "--output", str(out), "--nonblocking"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=2000)
@@ -94,8 +132,12 @@ def main() -> None:
     ap.add_argument("--decoders", type=int, default=2)
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--step-ms", type=float, default=1.0, help="the mock engine's time per batched step")
+    ap.add_argument("--profile-router", type=Path, default=None, metavar="DIR",
+                    help="record each router with py-spy over the throughput phase (collapsed stacks in DIR)")
+    ap.add_argument("--modes", default="direct,queue", help="which routers to run, in order")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    modes = [m for m in a.modes.split(",") if m]
 
     work = Path(tempfile.mkdtemp(prefix="ss-queue-bench-"))
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", SPLITSERVE_MOCK_STEP_MS=str(a.step_ms),
@@ -108,7 +150,7 @@ def main() -> None:
     results: dict[str, Any] = {"config": vars(a), "machine": f"{os.cpu_count()} cpus"}
     try:
         asyncio.run(_wait_ready(url, [f"decode-b{i}" for i in range(a.decoders)]))
-        for mode in ("direct", "queue"):
+        for mode in modes:
             flags = ["--no-queue"] if mode == "direct" else []
             router = _spawn("services.router", "--disagg-threshold", "1000000000", "--strategy", "roundrobin",
                             *flags, url=url, wid=f"router-{mode}", logs=work / "logs", env=env)
@@ -116,8 +158,20 @@ def main() -> None:
                 asyncio.run(_wait_ready(url, [f"router-{mode}"]))
                 time.sleep(2.0)  # the router's dispatch warm-up (it hears every worker first)
                 lat = asyncio.run(_low_load(url, a.seq))
+                pids = {"router": [router.pid], "nats-server": [nats.proc.pid],
+                        "decoders": [p.pid for p in decoders], "load generator": [os.getpid()]}
+                spy = None
+                if a.profile_router is not None:
+                    a.profile_router.mkdir(parents=True, exist_ok=True)
+                    spy = _profiler(router.pid, a.profile_router / f"router-{mode}.txt")
+                    time.sleep(1.0)  # py-spy attaches
+                cpu0, t0 = _cpu_s(pids), time.perf_counter()
                 tp = asyncio.run(_throughput(url, a.requests, a.concurrency, a.tenants))
-                results[mode] = {"low_load": lat, "throughput": tp}
+                cpu = _cpu_report(cpu0, _cpu_s(pids), a.requests - tp["errors"] or 1, time.perf_counter() - t0)
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)
+                    spy.wait(timeout=60)
+                results[mode] = {"low_load": lat, "throughput": tp, "cpu": cpu}
             finally:
                 router.terminate()
                 router.wait(timeout=30)
@@ -128,21 +182,30 @@ def main() -> None:
             p.wait(timeout=30)
         nats.stop()
 
-    d, q = results["direct"], results["queue"]
-    added_ttft = (q["low_load"]["ttft"]["p50"] or 0) - (d["low_load"]["ttft"]["p50"] or 0)
-    results["queue_added_ttft_p50_ms"] = added_ttft
-    results["throughput_ratio"] = q["throughput"]["requests_per_s"] / d["throughput"]["requests_per_s"]
+    both = "direct" in results and "queue" in results
+    if both:
+        d, q = results["direct"], results["queue"]
+        added_ttft = (q["low_load"]["ttft"]["p50"] or 0) - (d["low_load"]["ttft"]["p50"] or 0)
+        results["queue_added_ttft_p50_ms"] = added_ttft
+        results["throughput_ratio"] = q["throughput"]["requests_per_s"] / d["throughput"]["requests_per_s"]
     if a.json:
         print(json.dumps(results, indent=2))
         return
     print(f"durable queue vs direct dispatch; mock engine ({a.step_ms} ms/step), {a.decoders} decoders x "
           f"{a.max_batch} slots, {os.cpu_count()} cpus; logs in {work / 'logs'}")
     print(f"{'mode':8} {'TTFT p50':>12} {'TTFT p99':>12} {'router queue p50':>17} {'throughput':>14} {'errors':>7}")
-    for mode in ("direct", "queue"):
+    for mode in modes:
         r = results[mode]
         lt, tp = r["low_load"], r["throughput"]
         print(f"{mode:8} {fmt(lt['ttft']['p50']):>12} {fmt(lt['ttft']['p99']):>12} "
               f"{fmt(lt['queue_ms']['p50']):>17} {tp['requests_per_s']:>9.0f} req/s {tp['errors']:>7}")
+    print("CPU during the throughput phase, per routed request (and in cores):")
+    for mode in modes:
+        cpu = results[mode]["cpu"]
+        print(f"{mode:8} " + "  ".join(f"{name} {c['us_per_req']:,.0f} µs ({c['cores']:.2f})"
+                                       for name, c in cpu.items()))
+    if not both:
+        return
     print(f"durable queue adds {added_ttft:+.1f} ms TTFT p50 at low load; throughput "
           f"{results['throughput_ratio']:.2f}x of direct ({a.requests} requests, {a.concurrency} outstanding, "
           f"{a.tenants} tenants)")

@@ -4,6 +4,11 @@
 service can put straight into an error reply: not JSON / not an object (bad_request), a ``v`` this build
 does not speak (unsupported_version), and fields that fail validation (bad_request, with pydantic's
 precise location and reason).
+
+Fast path: a payload in the exact form :func:`encode` writes (``{"v":<this version>,`` first, no other ``"v"``
+key anywhere) is validated straight from the bytes (``model_validate_json``: no intermediate dict, about half
+the CPU of ``json.loads`` + ``model_validate``). Anything else, and any payload the fast path refuses, takes
+the general path, which names the failure exactly as before.
 """
 
 from __future__ import annotations
@@ -63,7 +68,22 @@ def _validation_text(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
+_FAST_PREFIX = b'{"v":%d,' % PROTO_VERSION
+_V_KEY = b'"v"'
+
+
+def _fast_form(data: bytes | bytearray | memoryview) -> bool:
+    """The payload starts with this version's ``v`` and names no other ``v`` (so a duplicate key cannot
+    change the version the general path would have read)."""
+    return bytes(data[:len(_FAST_PREFIX)]) == _FAST_PREFIX and bytes(data).count(_V_KEY) == 1
+
+
 def decode(data: bytes, model: type[M]) -> M:
+    if _fast_form(data):
+        try:
+            return model.model_validate_json(data)
+        except ValidationError:
+            pass  # the general path below words the error
     obj = _check_version(data)
     try:
         return model.model_validate(obj)
@@ -78,6 +98,11 @@ _stream_adapter: TypeAdapter[Any] = TypeAdapter(StreamMessage)
 
 def decode_stream(data: bytes) -> Any:
     """Decode a message on a request's stream subject (delta, final or error)."""
+    if _fast_form(data):
+        try:
+            return _stream_adapter.validate_json(data)
+        except ValidationError:
+            pass
     obj = _check_version(data)
     try:
         return _stream_adapter.validate_python(obj)

@@ -64,7 +64,7 @@ def main(
         raise typer.BadParameter("a console admin key is also a tenant's API key", param_hint="--admin-keys")
     run_service(FrontendService(worker_id, nats_url, host=host, port=port, model_name=model_name, api_keys=keys,
                                 admin_keys=admins, tenants=cfg, log_level=log_level,
-                                drain_timeout_s=drain_timeout_s), fast_loop=True)
+                                drain_timeout_s=drain_timeout_s))
 
 
 if __name__ == "__main__":

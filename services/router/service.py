@@ -217,6 +217,12 @@ class RouterService(Service):
         # router -> tenant -> virtual tokens of its DispatchNotes since its last FairShareReport
         self._remote_recent: dict[str, dict[str, float]] = {}
         self._claiming: set[str] = set()  # request ids this router is claiming/dispatching now
+        # Decode slots freed since a decoder's last heartbeat (free_slots): the requests that heartbeat listed
+        # as running whose RequestFinished arrived since. Without it a slot stayed taken until the next
+        # heartbeat (0.5 s), which capped a decoder at ~its batch size per heartbeat interval.
+        self._hb_listed: dict[str, set[str]] = {}  # decoder -> requests its last heartbeat listed, not ended
+        self._hb_gone: dict[str, int] = {}  # decoder -> how many of those ended since
+        self._recent_ends: OrderedDict[str, None] = OrderedDict()  # request ids whose end arrived lately
 
     async def setup(self) -> None:
         from services.router.tokenize import PromptTokenizer
@@ -290,6 +296,12 @@ class RouterService(Service):
     # --- heartbeats and failure detection ------------------------------------------------------------
     async def on_heartbeat(self, hb: Heartbeat, _: Msg) -> None:
         self.registry.observe(hb, time.monotonic())
+        if hb.role == "decode":
+            # A request whose end arrived before this heartbeat is listed only until its end is stored (not in
+            # the load figures): it cannot end again here.
+            ends = self._recent_ends
+            self._hb_listed[hb.worker_id] = {r for r in hb.active_requests if r not in ends}
+            self._hb_gone[hb.worker_id] = 0
         if hb.role in ("decode", "prefill"):
             for rid in hb.active_requests:
                 inf = self.inflight.get(rid)
@@ -310,6 +322,7 @@ class RouterService(Service):
     async def on_finished(self, ev: RequestFinished, _: Msg) -> None:
         # Every router hears every RequestFinished; only the request's owner (the router holding it in
         # flight) settles it, so its quota and registry record are settled once.
+        self._note_end(ev.request_id, ev.worker_id)
         inf = self.inflight.pop(ev.request_id, None)
         used = (ev.usage.prompt_tokens + ev.usage.completion_tokens) if ev.usage is not None else None
         if inf is not None:
@@ -318,6 +331,18 @@ class RouterService(Service):
         self._accepted_meta.pop(ev.request_id, None)
         if not self.use_queue:
             self.quota.finish(ev.tenant, ev.request_id, used, time.monotonic())
+
+    def _note_end(self, rid: str, worker: str) -> None:
+        """A request ended on ``worker``: a slot its last heartbeat showed taken is free now (free_slots)."""
+        listed = self._hb_listed.get(worker)
+        if listed is not None and rid in listed:
+            listed.discard(rid)
+            self._hb_gone[worker] = self._hb_gone.get(worker, 0) + 1
+            self._dispatch_wake.set()
+        ends = self._recent_ends
+        ends[rid] = None
+        if len(ends) > 20_000:
+            ends.popitem(last=False)
 
     async def _retire(self, inf: Inflight, used_tokens: int | None, status: str = "error") -> None:
         """The request ended (any outcome): settle its fair-share charge, its registry record and quota, then
@@ -373,6 +398,8 @@ class RouterService(Service):
                 continue
             for wid, reason in self.registry.reap(time.monotonic(), observer=self.worker_id):
                 self.log.warning("worker_dead", dead_worker=wid, reason=reason)
+                self._hb_listed.pop(wid, None)
+                self._hb_gone.pop(wid, None)
                 self.policy.remove_worker(wid)
                 self._worker_lost(wid, reason)
             await self._expire_queued()
@@ -885,7 +912,9 @@ class RouterService(Service):
     def free_slots(self, now: float) -> int:
         """Decode slots this router may fill now: each live decoder's batch size (plus a little, so a worker
         never idles between one request finishing and the next arriving) less what it runs or was sent (by this
-        router or, per their dispatch notes, by the others) that its heartbeat does not show yet."""
+        router or, per their dispatch notes, by the others) that its heartbeat does not show yet. What it runs is
+        its last heartbeat's count less the requests that heartbeat listed whose end arrived since: a slot is
+        offered again when its request ends, not at the next heartbeat."""
         mine: dict[str, int] = {}
         for inf in self.inflight.values():
             mine[inf.decoder] = mine.get(inf.decoder, 0) + 1
@@ -893,8 +922,9 @@ class RouterService(Service):
         for hb in self.registry.live("decode", now):
             # other routers' dispatches this decoder's heartbeat does not show yet (their DispatchNotes)
             unreported = self.policy.pending.pending_for(hb.worker_id)[0] if self.policy.pending else 0
-            free += decoder_free_slots(hb.load.max_seqs, hb.load.active_seqs + hb.load.queued_requests + unreported,
-                                       mine.get(hb.worker_id, 0), hb.pool)
+            # less the requests it listed that ended since (their RequestFinished came after the heartbeat)
+            running = max(0, hb.load.active_seqs + hb.load.queued_requests - self._hb_gone.get(hb.worker_id, 0))
+            free += decoder_free_slots(hb.load.max_seqs, running + unreported, mine.get(hb.worker_id, 0), hb.pool)
         return free
 
     async def _dispatch_loop(self) -> None:

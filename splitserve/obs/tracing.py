@@ -51,8 +51,20 @@ _nats_exporter: NatsSpanExporter | None = None
 _lock = threading.Lock()
 
 
+_tracer_of: tuple[Any, trace.Tracer] | None = None  # (the provider it came from, the tracer)
+
+
 def tracer() -> trace.Tracer:
-    return trace.get_tracer(_TRACER_NAME)
+    """splitserve's tracer, made once per tracer provider (``trace.get_tracer`` builds a new one on every
+    call: a per-request cost on every hot path)."""
+    global _tracer_of
+    provider = trace.get_tracer_provider()
+    cached = _tracer_of
+    if cached is not None and cached[0] is provider:
+        return cached[1]
+    t = trace.get_tracer(_TRACER_NAME)
+    _tracer_of = (provider, t)
+    return t
 
 
 def inject(headers: dict[str, str] | None = None) -> dict[str, str]:

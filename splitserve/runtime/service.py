@@ -19,6 +19,7 @@ import gc
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -191,23 +192,28 @@ class Service:
             structlog.contextvars.clear_contextvars()
 
 
-def run_service(svc: Service, *, fast_loop: bool = False) -> None:
-    """Run ``svc`` until it stops. ``fast_loop``: on uvloop where it is installed (the HTTP front door: about
-    half the loop's per-wake-up cost), unless ``SPLITSERVE_UVLOOP=0``."""
+ENV_EVENT_LOOP = "SPLITSERVE_EVENT_LOOP"
 
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop a service runs on: uvloop when installed (its transports and scheduling cost a fraction
+    of asyncio's: every message a service sends or receives pays them), unless ``SPLITSERVE_EVENT_LOOP=asyncio``
+    asks for the standard library's. None: asyncio's default."""
+    if os.environ.get(ENV_EVENT_LOOP, "uvloop").strip().lower() == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def run_service(svc: Service) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, svc.request_stop)
         await svc.run()
 
-    factory = None
-    if fast_loop and os.environ.get("SPLITSERVE_UVLOOP", "1") != "0":
-        try:
-            import uvloop
-        except ImportError:  # not on this platform (Windows): the default loop
-            pass
-        else:
-            factory = uvloop.new_event_loop
-    with asyncio.Runner(loop_factory=factory) as runner:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(main())
