@@ -90,6 +90,8 @@ class PrefillGather:
         self.closed = False
         self._all_in = asyncio.Event()
         self.batched = 0  # prompts that went through the batched call (for tests and logs)
+        self.batch_of: dict[str, int] = {}  # key -> how many prompts shared its forward
+        self._keys: list[str] = []
 
     def leave(self, key: str) -> None:
         """The job `key` will not call prefill (it failed first, or finished)."""
@@ -100,10 +102,12 @@ class PrefillGather:
     async def prefill(self, key: str, ids: list[int], sampling: Sampling) -> PrefillResult:
         if self.closed:  # too late for the batch
             self.waiting.discard(key)
+            self.batch_of[key] = 1
             return self._result((await self.run_batch([(ids, sampling)]))[0])
         future: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
         self.items.append((ids, sampling))
         self.futures.append(future)
+        self._keys.append(key)
         self.leave(key)
         if len(self.items) > 1:
             return await future
@@ -114,6 +118,7 @@ class PrefillGather:
         self.closed = True
         items, futures = list(self.items), list(self.futures)
         self.batched = len(items)
+        self.batch_of.update((k, len(items)) for k in self._keys)
         try:
             results = await self.run_batch(items)
         except BaseException as exc:
@@ -135,8 +140,8 @@ class PrefillGather:
         return r
 
 
-# The batch the job running in this task belongs to (None: prefilled alone).
-_GATHER: ContextVar[PrefillGather | None] = ContextVar("prefill_gather", default=None)
+# The batch the job running in this task belongs to and its key there (None: prefilled alone).
+_GATHER: ContextVar[tuple[PrefillGather, str] | None] = ContextVar("prefill_gather", default=None)
 
 
 class JobFailed(Exception):
@@ -278,9 +283,14 @@ class PrefillService(Service):
             group = self._take_batch(job)
             if group:
                 self.batching = [job.decode] + [j.decode for j, _ in group]
-                gather = PrefillGather([j.request_id for j in self.batching], self._run_batch)
+                items = [(job, headers), *group]
+                gather = PrefillGather([str(i) for i in range(len(items))], self._run_batch)
                 try:
-                    await asyncio.gather(*(self._job(j, h, gather) for j, h in [(job, headers), *group]))
+                    outcomes = await asyncio.gather(*(self._job(j, h, (gather, str(i)))
+                                                      for i, (j, h) in enumerate(items)), return_exceptions=True)
+                    for outcome in outcomes:  # one job's failure to report must not end the loop for all
+                        if isinstance(outcome, Exception):
+                            self.log.error("prefill_job_crashed", error=repr(outcome))
                 finally:
                     self.batching = []
                 continue
@@ -316,7 +326,8 @@ class PrefillService(Service):
             blocks += need
         return group
 
-    async def _job(self, job: PrefillJob, headers: dict[str, str], gather: PrefillGather | None = None) -> None:
+    async def _job(self, job: PrefillJob, headers: dict[str, str],
+                   gather: tuple[PrefillGather, str] | None = None) -> None:
         if gather is not None:
             _GATHER.set(gather)  # this task's own context: _run finds its batch there
         try:
@@ -337,7 +348,7 @@ class PrefillService(Service):
                     await self._fail(job.decode, ErrorCode.INTERNAL, f"prefill failed: {exc}")
         finally:
             if gather is not None:
-                gather.leave(job.decode.request_id)
+                gather[0].leave(gather[1])
 
     async def _reserve(self, job: DecodeJob) -> KvReserveReply:
         req = KvReserveRequest(request_id=job.request_id, prefill_worker=self.worker_id,
@@ -409,12 +420,13 @@ class PrefillService(Service):
         try:
             with tracing.tracer().start_as_current_span("prefill.compute") as csp:
                 t0 = time.perf_counter()
-                gather = _GATHER.get()
+                member = _GATHER.get()
                 batch = 1
                 try:
-                    if gather is not None and not layerwise:
-                        res = await gather.prefill(job.request_id, ids, sampling)
-                        batch = gather.batched or 1
+                    if member is not None and not layerwise:
+                        gather, key = member
+                        res = await gather.prefill(key, ids, sampling)
+                        batch = gather.batch_of.get(key, 1)
                         csp.set_attribute("prefill.batch", batch)
                     else:
                         res = await self.thread.run(self._prefill_cached, ids, sampling,

@@ -66,7 +66,9 @@ def test_a_slow_job_prefills_alone_later(wait_s: float) -> None:
             finally:
                 gather.leave(key)
 
-        return list(await asyncio.gather(job("a", [1], 0.0), job("b", [2], 0.0), job("slow", [3], wait_s * 4)))
+        out = await asyncio.gather(job("a", [1], 0.0), job("b", [2], 0.0), job("slow", [3], wait_s * 4))
+        assert gather.batch_of == {"a": 2, "b": 2, "slow": 1}
+        return list(out)
 
     assert asyncio.run(main()) == [1, 2, 3]
     assert calls.calls == [[[1], [2]], [[3]]]
