@@ -73,6 +73,10 @@ PREFILL_BATCH_TOKENS = 2048
 # How long the jobs of a batch that are ready wait for one whose reservation is slow (its decoder's buffer is
 # full, say): that one then prefills alone, later.
 GATHER_WAIT_S = 0.1
+# In a batch, a cached prefix at most this long is recomputed inside the shared forward rather than reused:
+# reusing it takes the prompt out of the batch (its own forward, its own read of the weights), which costs
+# more than these few extra tokens. (A chat template's system prompt is such a prefix, shared by every chat.)
+BATCH_RECOMPUTE_TOKENS = 64
 
 BatchRunner = Callable[[list[tuple[list[int], Sampling]]], Awaitable[list["PrefillResult | BaseException"]]]
 
@@ -499,15 +503,16 @@ class PrefillService(Service):
         return await self.thread.run(self._prefill_cached_batch, items)
 
     def _prefill_cached_batch(self, items: list[tuple[list[int], Sampling]]) -> list[PrefillResult | BaseException]:
-        """Engine thread: `_prefill_cached` for several prompts in one engine call (a prompt with a cached prefix
-        is computed on its own by the engine). If the batch fails, each prompt is retried alone, so one bad
-        prompt fails only its own job."""
+        """Engine thread: `_prefill_cached` for several prompts in one engine call (a prompt with a long cached
+        prefix is computed on its own by the engine; a short one is recomputed in the batch). If the batch
+        fails, each prompt is retried alone, so one bad prompt fails only its own job."""
         requests = []
         for ids, sampling in items:
             past = None
             if self.store is not None:
                 m = self.store.match(ids)
-                past = m.kv if m.num_tokens else None
+                if m.num_tokens > (BATCH_RECOMPUTE_TOKENS if len(items) > 1 else 0):
+                    past = m.kv
             requests.append(PrefillRequest(ids, sampling, past))
         try:
             results: list[PrefillResult | BaseException] = list(self.engine.prefill_batch(requests))
