@@ -540,6 +540,14 @@ def bench_e2e(ctx: typer.Context) -> None:
     run(list(ctx.args))
 
 
+@bench_app.command("engine-batching", context_settings=_PASS)
+def bench_engine_batching(ctx: typer.Context) -> None:
+    """hf engine: N short prompts prefilled in one forward vs one at a time; decode tok/s, 8 streams vs 1."""
+    from bench.engine_batching import main as run
+
+    run(list(ctx.args))
+
+
 @bench_app.command("kvaware", context_settings=_PASS)
 def bench_kvaware(ctx: typer.Context) -> None:
     """A repeated long prompt under kvaware vs roundrobin with 2 decoders (starts its own stacks)."""

@@ -25,6 +25,8 @@ def main(
     cache_tokens: int = typer.Option(8192, help="prefix-cache capacity in tokens (0 = off)"),
     l1_tokens: int = typer.Option(0, help="CPU L1 prefix-cache tier capacity in tokens (0 = off)"),
     layerwise: bool = typer.Option(True, help="push each layer's KV as soon as it is computed"),
+    prefill_batch: int = typer.Option(8, help="short prompts queued together share one forward, at most this "
+                                              "many (hf engine; 1 = one at a time)"),
     log_level: str = cli.LogLevel,
     drain_timeout_s: float = cli.DrainTimeout,
     kv_connector: str = cli.KvConnector,
@@ -52,7 +54,8 @@ def main(
         run_service(VllmPrefillService(worker_id, nats_url, opts=opts, vllm=vopts, log_level=log_level))
         return
     run_service(PrefillService(worker_id, nats_url, opts=opts, cache_tokens=cache_tokens, l1_tokens=l1_tokens,
-                               layerwise=layerwise, log_level=log_level, drain_timeout_s=drain_timeout_s))
+                               layerwise=layerwise, prefill_batch=prefill_batch, log_level=log_level,
+                               drain_timeout_s=drain_timeout_s))
 
 
 if __name__ == "__main__":

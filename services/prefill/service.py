@@ -9,6 +9,11 @@ A job whose hand-off to the decoder fails (the decoder is gone, refuses or times
 fails) is bounced to the routers (JobBounced), not failed: the router dispatches it again. A resumed job
 (migration) is computed over prompt + the tokens already produced. On SIGTERM the prefiller finishes its queue
 within the drain bound; jobs still queued then are handed over (the routers re-dispatch them).
+
+Short prompts queued together share one forward (engines that batch prefill: hf): when the engine frees up,
+the job at the head of the queue takes the short jobs queued right behind it (up to `prefill_batch` of them);
+each reserves its landing blocks as usual, then their prefills run as one `engine.prefill_batch` call, and each
+pushes its own KV. A job that is alone in the queue runs exactly as before (no waiting window).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import contextlib
 import dataclasses
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any
 
 import structlog
@@ -49,7 +56,7 @@ from services.common.kvcache import KvEventPublisher, kv_layout
 from services.common.options import EngineOptions
 from services.common.sampling import engine_sampling, wire_logprob
 from splitserve.cache.store import PrefixKvStore
-from splitserve.engines import LayerHook, PrefillResult, PromptTooLong, Sampling
+from splitserve.engines import Engine, LayerHook, PrefillRequest, PrefillResult, PromptTooLong, Sampling
 from splitserve.kv import BlockPool, make_sender
 from splitserve.kv.transport import usable_transport
 from splitserve.obs import tracing
@@ -59,6 +66,86 @@ from splitserve.runtime.service import Service
 LAYERWISE_MIN_TOKENS = 256
 # Failures of the hand-off to the decoder, which another decoder (or this one, later) may not have.
 BOUNCE_CODES = frozenset({ErrorCode.WORKER_DIED, ErrorCode.KV_TRANSFER_FAILED, ErrorCode.TIMEOUT})
+# Batched prefill: at most this many prompts per forward (0 or 1: off), and at most this many padded tokens
+# (longest prompt x prompts) in one forward.
+PREFILL_BATCH = 8
+PREFILL_BATCH_TOKENS = 2048
+# How long the jobs of a batch that are ready wait for one whose reservation is slow (its decoder's buffer is
+# full, say): that one then prefills alone, later.
+GATHER_WAIT_S = 0.1
+# In a batch, a cached prefix at most this long is recomputed inside the shared forward rather than reused:
+# reusing it takes the prompt out of the batch (its own forward, its own read of the weights), which costs
+# more than these few extra tokens. (A chat template's system prompt is such a prefix, shared by every chat.)
+BATCH_RECOMPUTE_TOKENS = 64
+
+BatchRunner = Callable[[list[tuple[list[int], Sampling]]], Awaitable[list["PrefillResult | BaseException"]]]
+
+
+class PrefillGather:
+    """The prefill calls of jobs started together, run as one engine call once every job has made its call or
+    dropped out (failed before computing), or `wait_s` after the first call; later calls run alone."""
+
+    def __init__(self, keys: list[str], run_batch: BatchRunner, wait_s: float = GATHER_WAIT_S) -> None:
+        self.waiting = set(keys)
+        self.run_batch = run_batch
+        self.wait_s = wait_s
+        self.items: list[tuple[list[int], Sampling]] = []
+        self.futures: list[asyncio.Future[PrefillResult]] = []
+        self.closed = False
+        self._all_in = asyncio.Event()
+        self.batched = 0  # prompts that went through the batched call (for tests and logs)
+        self.batch_of: dict[str, int] = {}  # key -> how many prompts shared its forward
+        self._keys: list[str] = []
+
+    def leave(self, key: str) -> None:
+        """The job `key` will not call prefill (it failed first, or finished)."""
+        self.waiting.discard(key)
+        if not self.waiting:
+            self._all_in.set()
+
+    async def prefill(self, key: str, ids: list[int], sampling: Sampling) -> PrefillResult:
+        if self.closed:  # too late for the batch
+            self.waiting.discard(key)
+            self.batch_of[key] = 1
+            return self._result((await self.run_batch([(ids, sampling)]))[0])
+        future: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
+        self.items.append((ids, sampling))
+        self.futures.append(future)
+        self._keys.append(key)
+        self.leave(key)
+        if len(self.items) > 1:
+            return await future
+        # the first caller drives the batch
+        if self.waiting:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._all_in.wait(), self.wait_s)
+        self.closed = True
+        items, futures = list(self.items), list(self.futures)
+        self.batched = len(items)
+        self.batch_of.update((k, len(items)) for k in self._keys)
+        try:
+            results = await self.run_batch(items)
+        except BaseException as exc:
+            for f in futures[1:]:
+                if not f.done():
+                    f.set_exception(exc if isinstance(exc, Exception) else RuntimeError("prefill batch cancelled"))
+            raise
+        for f, r in zip(futures[1:], results[1:], strict=True):
+            if isinstance(r, BaseException):
+                f.set_exception(r)
+            else:
+                f.set_result(r)
+        return self._result(results[0])
+
+    @staticmethod
+    def _result(r: PrefillResult | BaseException) -> PrefillResult:
+        if isinstance(r, BaseException):
+            raise r
+        return r
+
+
+# The batch the job running in this task belongs to and its key there (None: prefilled alone).
+_GATHER: ContextVar[tuple[PrefillGather, str] | None] = ContextVar("prefill_gather", default=None)
 
 
 class JobFailed(Exception):
@@ -81,10 +168,12 @@ class PrefillService(Service):
         cache_tokens: int = 8192,
         l1_tokens: int = 0,
         layerwise: bool = True,
+        prefill_batch: int = PREFILL_BATCH,
         **kw: Any,
     ) -> None:
         super().__init__(worker_id, nats_url, **kw)
         self.opts = opts
+        self.prefill_batch = prefill_batch
         self.layerwise = layerwise
         self.cache_tokens = cache_tokens
         self.l1_tokens = l1_tokens
@@ -94,6 +183,7 @@ class PrefillService(Service):
         self.reserve_wait_s = reserve_wait_s
         self.queue: deque[tuple[PrefillJob, dict[str, str]]] = deque()
         self.current: DecodeJob | None = None
+        self.batching: list[DecodeJob] = []  # the jobs of a batched prefill in progress
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self.thread = EngineThread(f"prefill-{worker_id}")
@@ -123,7 +213,7 @@ class PrefillService(Service):
         self._loop_task = self.b.spawn(self._loop())
 
     async def drain(self) -> None:
-        while self.queue or self.current is not None:
+        while self.queue or self.current is not None or self.batching:
             await asyncio.sleep(0.05)
 
     async def hand_over(self) -> None:
@@ -134,6 +224,7 @@ class PrefillService(Service):
         self.log.info("handed_over", requests=self.active_requests())
         self.queue.clear()
         self.current = None
+        self.batching = []
 
     async def shutdown(self) -> None:
         # Jobs still queued were handed over at the end of the drain (the routers re-dispatch them).
@@ -144,7 +235,9 @@ class PrefillService(Service):
         queued = sum(len(j.decode.context_token_ids()) for j, _ in self.queue)
         if self.current is not None:
             queued += len(self.current.context_token_ids())
-        return WorkerLoad(active_seqs=int(self.current is not None), queued_requests=len(self.queue),
+        queued += sum(len(j.context_token_ids()) for j in self.batching)
+        return WorkerLoad(active_seqs=int(self.current is not None) + len(self.batching),
+                          queued_requests=len(self.queue),
                           queued_prefill_tokens=queued,
                           cached_blocks=sum(self.store.stats().blocks.values()) if self.store is not None else 0)
 
@@ -152,6 +245,7 @@ class PrefillService(Service):
         ids = [j.decode.request_id for j, _ in self.queue]
         if self.current is not None:
             ids.append(self.current.request_id)
+        ids.extend(j.request_id for j in self.batching)
         return ids
 
     def heartbeat_extra(self) -> dict[str, Any]:
@@ -190,25 +284,75 @@ class PrefillService(Service):
                 await self._wake.wait()
                 continue
             job, headers = self.queue.popleft()
+            group = self._take_batch(job)
+            if group:
+                self.batching = [job.decode] + [j.decode for j, _ in group]
+                items = [(job, headers), *group]
+                gather = PrefillGather([str(i) for i in range(len(items))], self._run_batch)
+                try:
+                    outcomes = await asyncio.gather(*(self._job(j, h, (gather, str(i)))
+                                                      for i, (j, h) in enumerate(items)), return_exceptions=True)
+                    for outcome in outcomes:  # one job's failure to report must not end the loop for all
+                        if isinstance(outcome, Exception):
+                            self.log.error("prefill_job_crashed", error=repr(outcome))
+                finally:
+                    self.batching = []
+                continue
             self.current = job.decode
             try:
-                with tracing.span_from(headers, "prefill.job", request_id=job.decode.request_id,
-                                       tenant=job.decode.tenant, decoder=job.decode.decoder_id,
-                                       prompt_tokens=len(job.decode.prompt_token_ids),
-                                       queue_wait_ms=round(max(0.0, now_ms() - job.decode.routed_ms), 2)) as sp, \
-                        structlog.contextvars.bound_contextvars(request_id=job.decode.request_id,
-                                                                tenant=job.decode.tenant):
-                    try:
-                        await self._run(job.decode)
-                    except JobFailed as exc:
-                        tracing.record_error(sp, str(exc))
-                        await self._fail(job.decode, exc.code, str(exc))
-                    except Exception as exc:
-                        self.log.exception("prefill_failed", request_id=job.decode.request_id)
-                        tracing.record_error(sp, exc)
-                        await self._fail(job.decode, ErrorCode.INTERNAL, f"prefill failed: {exc}")
+                await self._job(job, headers)
             finally:
                 self.current = None
+
+    def _batchable(self) -> bool:
+        """Whether this engine shares a forward between prompts (not the one-by-one default)."""
+        engine = getattr(self, "engine", None)
+        return (self.prefill_batch > 1 and engine is not None
+                and type(engine).prefill_batch is not Engine.prefill_batch)
+
+    def _short(self, job: DecodeJob) -> bool:
+        return len(job.context_token_ids()) < LAYERWISE_MIN_TOKENS
+
+    def _take_batch(self, first: PrefillJob) -> list[tuple[PrefillJob, dict[str, str]]]:
+        """The short jobs queued right behind a short `first` that can share its forward (taken off the queue)."""
+        if not self.queue or not self._batchable() or not self._short(first.decode):
+            return []
+        lengths = [len(first.decode.context_token_ids())]
+        blocks = self.layout.blocks_for_tokens(lengths[0])
+        group: list[tuple[PrefillJob, dict[str, str]]] = []
+        while self.queue and len(group) + 1 < self.prefill_batch and self._short(self.queue[0][0].decode):
+            n = len(self.queue[0][0].decode.context_token_ids())
+            need = self.layout.blocks_for_tokens(n)
+            if max(*lengths, n) * (len(lengths) + 1) > PREFILL_BATCH_TOKENS or blocks + need > self.pool.num_blocks:
+                break
+            group.append(self.queue.popleft())
+            lengths.append(n)
+            blocks += need
+        return group
+
+    async def _job(self, job: PrefillJob, headers: dict[str, str],
+                   gather: tuple[PrefillGather, str] | None = None) -> None:
+        if gather is not None:
+            _GATHER.set(gather)  # this task's own context: _run finds its batch there
+        try:
+            with tracing.span_from(headers, "prefill.job", request_id=job.decode.request_id,
+                                   tenant=job.decode.tenant, decoder=job.decode.decoder_id,
+                                   prompt_tokens=len(job.decode.prompt_token_ids),
+                                   queue_wait_ms=round(max(0.0, now_ms() - job.decode.routed_ms), 2)) as sp, \
+                    structlog.contextvars.bound_contextvars(request_id=job.decode.request_id,
+                                                            tenant=job.decode.tenant):
+                try:
+                    await self._run(job.decode)
+                except JobFailed as exc:
+                    tracing.record_error(sp, str(exc))
+                    await self._fail(job.decode, exc.code, str(exc))
+                except Exception as exc:
+                    self.log.exception("prefill_failed", request_id=job.decode.request_id)
+                    tracing.record_error(sp, exc)
+                    await self._fail(job.decode, ErrorCode.INTERNAL, f"prefill failed: {exc}")
+        finally:
+            if gather is not None:
+                gather[0].leave(gather[1])
 
     async def _reserve(self, job: DecodeJob) -> KvReserveReply:
         req = KvReserveRequest(request_id=job.request_id, prefill_worker=self.worker_id,
@@ -280,9 +424,17 @@ class PrefillService(Service):
         try:
             with tracing.tracer().start_as_current_span("prefill.compute") as csp:
                 t0 = time.perf_counter()
+                member = _GATHER.get()
+                batch = 1
                 try:
-                    res = await self.thread.run(self._prefill_cached, ids, sampling,
-                                                push_layer if layerwise else None)
+                    if member is not None and not layerwise:
+                        gather, key = member
+                        res = await gather.prefill(key, ids, sampling)
+                        batch = gather.batch_of.get(key, 1)
+                        csp.set_attribute("prefill.batch", batch)
+                    else:
+                        res = await self.thread.run(self._prefill_cached, ids, sampling,
+                                                    push_layer if layerwise else None)
                 except PromptTooLong as exc:
                     raise JobFailed(ErrorCode.PROMPT_TOO_LONG, str(exc)) from None
                 prefill_ms = (time.perf_counter() - t0) * 1000
@@ -333,7 +485,7 @@ class PrefillService(Service):
         if self.kv_events is not None:
             await self.kv_events.flush()
         self.log.info("prefilled", request_id=job.request_id, tokens=len(ids), prefill_ms=round(prefill_ms, 1),
-                      kv_bytes=nbytes, transfer_ms=round(transfer_ms, 2), layerwise=layerwise,
+                      kv_bytes=nbytes, transfer_ms=round(transfer_ms, 2), layerwise=layerwise, batch=batch,
                       decoder=job.decoder_id)
 
     def _prefill_cached(self, ids: list[int], sampling: Sampling, on_layer: LayerHook | None) -> PrefillResult:
@@ -346,6 +498,38 @@ class PrefillService(Service):
         if self.store is not None:
             self.store.insert(ids, res.kv)
         return res
+
+    async def _run_batch(self, items: list[tuple[list[int], Sampling]]) -> list[PrefillResult | BaseException]:
+        return await self.thread.run(self._prefill_cached_batch, items)
+
+    def _prefill_cached_batch(self, items: list[tuple[list[int], Sampling]]) -> list[PrefillResult | BaseException]:
+        """Engine thread: `_prefill_cached` for several prompts in one engine call (a prompt with a long cached
+        prefix is computed on its own by the engine; a short one is recomputed in the batch). If the batch
+        fails, each prompt is retried alone, so one bad prompt fails only its own job."""
+        requests = []
+        for ids, sampling in items:
+            past = None
+            if self.store is not None:
+                m = self.store.match(ids)
+                if m.num_tokens > (BATCH_RECOMPUTE_TOKENS if len(items) > 1 else 0):
+                    past = m.kv
+            requests.append(PrefillRequest(ids, sampling, past))
+        try:
+            results: list[PrefillResult | BaseException] = list(self.engine.prefill_batch(requests))
+        except Exception:
+            if len(items) == 1:
+                raise
+            results = []
+            for r in requests:
+                try:
+                    results.append(self.engine.prefill(r.token_ids, r.sampling, past_kv=r.past_kv))
+                except Exception as exc:
+                    results.append(exc)
+        if self.store is not None:
+            for (ids, _), res in zip(items, results, strict=True):
+                if isinstance(res, PrefillResult):
+                    self.store.insert(ids, res.kv)
+        return results
 
     async def _fail(self, job: DecodeJob, code: ErrorCode, message: str) -> None:
         if code in BOUNCE_CODES:

@@ -86,6 +86,15 @@ class PrefillResult:
     first_logprobs: TokenLogprobs | None = None  # when sampling.logprobs was set
 
 
+@dataclass(frozen=True)
+class PrefillRequest:
+    """One prompt of a batched prefill (`Engine.prefill_batch`)."""
+
+    token_ids: Sequence[int]
+    sampling: Sampling
+    past_kv: Tensor | None = None
+
+
 class EngineError(Exception):
     """Base class for errors an engine raises on a bad request (not on bugs)."""
 
@@ -227,6 +236,14 @@ class Engine(ABC):
         layer, in order, with views of the returned kv tensor.
         Raises PromptTooLong.
         """
+
+    def prefill_batch(self, requests: Sequence[PrefillRequest]) -> list[PrefillResult]:
+        """Prefill several prompts at once; results in request order, each the same as `prefill` would give
+        (KV equal up to float summation order, the same greedy tokens). No per-layer hook: it is for short
+        prompts, whose KV is pushed in one piece. This default runs them one at a time; an engine that can
+        share one forward between them (hf) overrides it. Raises PromptTooLong (for the batch as a whole:
+        callers check lengths first, or retry one by one)."""
+        return [self.prefill(r.token_ids, r.sampling, past_kv=r.past_kv) for r in requests]
 
     # -- decode ---------------------------------------------------------------------------------------------
     @abstractmethod

@@ -26,6 +26,7 @@ from splitserve.engines.base import (
     KvSource,
     LayerHook,
     ModelInfo,
+    PrefillRequest,
     PrefillResult,
     Sampling,
     TokenLogprobs,
@@ -34,11 +35,14 @@ from splitserve.engines.base import (
     prompt_ids,
 )
 from splitserve.engines.batch import DecodeBatch
-from splitserve.engines.kvcache import PrefillCache
+from splitserve.engines.kvcache import BatchCache, PrefillCache
 from splitserve.engines.model_files import resolve_model
 from splitserve.engines.sampling import sample_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Config fields of models whose logits are not just lm_head(last hidden state): their prompts are prefilled
+# one at a time (the batched path computes logits from the decoder's hidden states itself).
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def _model_info(model: Any, tokenizer: Any, name: str, max_model_len: int | None) -> ModelInfo:
@@ -92,6 +96,11 @@ class HfEngine(HfTokenizerMixin, Engine):
         self.load_seconds: float | None = None
         self._batch = DecodeBatch(self.info, self.dtype, self.device, min_headroom=kv_headroom, grouped=grouped)
         self._step_lp: dict[str, TokenLogprobs] = {}
+        config = model.config.get_text_config(decoder=True)
+        self._batch_prefill = (
+            all(getattr(config, f, None) in (None, 1, 1.0) for f in _LOGIT_TRANSFORMS)
+            and model.get_output_embeddings() is not None
+        )
 
     @classmethod
     def load(
@@ -155,6 +164,53 @@ class HfEngine(HfTokenizerMixin, Engine):
             firsts, lps = sample_logprobs(logits, [sampling], [len(ids)])
         return PrefillResult(first_token=firsts[0], kv=out, num_computed_tokens=len(ids) - reused,
                              first_logprobs=lps[0])
+
+    def prefill_batch(self, requests: Sequence[PrefillRequest]) -> list[PrefillResult]:
+        """Prompts without a reused prefix share one right-padded forward: the weights are read once for all
+        of them (for short prompts that read is most of a prefill's time). Right padding keeps every real
+        token's view exactly the unbatched one: causal attention never looks ahead to the padding, and the
+        padding's own queries always see real keys (no fully masked row, so no NaN to leak anywhere)."""
+        checked = [prompt_ids(r.token_ids, self.info, r.past_kv) for r in requests]
+        together = [i for i, (_, reused) in enumerate(checked) if not reused] if self._batch_prefill else []
+        if len(together) < 2:
+            together = []
+        results: list[PrefillResult | None] = [None] * len(requests)
+        if together:
+            padded = self._prefill_padded([checked[i][0] for i in together], [requests[i].sampling for i in together])
+            for i, result in zip(together, padded, strict=True):
+                results[i] = result
+        for i, r in enumerate(requests):
+            if results[i] is None:
+                results[i] = self.prefill(r.token_ids, r.sampling, past_kv=r.past_kv)
+        return [r for r in results if r is not None]
+
+    def _prefill_padded(self, prompts: list[list[int]], samplings: list[Sampling]) -> list[PrefillResult]:
+        info, b = self.info, len(prompts)
+        lengths = [len(ids) for ids in prompts]
+        width = max(lengths)
+        # one buffer [L, 2, B, H, width, D]; each layer's cache is a [B, H, width, D] view of it
+        buf = torch.empty((info.num_layers, 2, b, info.num_kv_heads, width, info.head_dim),
+                          dtype=self.dtype, device=self.device)
+        input_ids = torch.zeros((b, width), dtype=torch.long)
+        for row, ids in enumerate(prompts):
+            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        mask = None
+        if min(lengths) != width:
+            mask = (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long().to(self.device)
+        cache = BatchCache([buf[i, 0] for i in range(info.num_layers)], [buf[i, 1] for i in range(info.num_layers)], 0)
+        with torch.inference_mode():
+            hidden = self.model.get_decoder()(
+                input_ids=input_ids.to(self.device),
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=True,
+            ).last_hidden_state
+            last = hidden[torch.arange(b, device=self.device), torch.tensor(lengths, device=self.device) - 1]
+            logits = self.model.get_output_embeddings()(last)
+            firsts, lps = sample_logprobs(logits, samplings, lengths)
+        # each prompt's KV as its own ordinary (non-inference) tensor, like prefill's
+        return [PrefillResult(first_token=firsts[row], kv=buf[:, :, row, :, :n].clone(), num_computed_tokens=n,
+                              first_logprobs=lps[row]) for row, n in enumerate(lengths)]
 
     # -- decode ---------------------------------------------------------------------------------------------
     def add_sequence(self, seq_id: str, kv: Tensor | KvSource, last_token: int, sampling: Sampling) -> None:

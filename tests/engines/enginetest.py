@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from splitserve.engines import ContextFull, Engine, PromptTooLong, Sampling
+from splitserve.engines import ContextFull, Engine, PrefillRequest, PromptTooLong, Sampling
 
 # One intra-op thread: on a shared 2-core machine a second torch thread spin-waits on a busy core, which
 # made tiny-model steps ~100x slower. Override with SPLITSERVE_TEST_THREADS on a dedicated machine.
@@ -237,6 +237,33 @@ class EngineContract:
         other = engine.prefill(engine.encode(PROMPTS[2]), Sampling(temperature=1.0, seed=99))
         engine.add_sequence("noise", other.kv, other.first_token, Sampling(temperature=1.0, seed=99))
         assert run(engine, ids, 12, sampling) == alone
+
+    def test_prefill_batch_equals_one_at_a_time(self, engine: Engine) -> None:
+        """Prompts of different lengths prefilled together (one with a reused prefix, one seeded-sampled) give
+        each the KV, first token and greedy continuation it gets alone."""
+        prompts = [engine.encode(p) for p in (*PROMPTS, "def f(x):", PROMPTS[1] + " Again.")]
+        assert len({len(p) for p in prompts}) >= 4  # different lengths: exercises padding
+        seeded = Sampling(temperature=1.0, seed=11)
+        samplings = [GREEDY, seeded, GREEDY, GREEDY, GREEDY]
+        prefix = engine.prefill(prompts[4][:9], GREEDY).kv
+        pasts = [None, None, None, None, prefix]
+        alone = [engine.prefill(ids, s, past_kv=p) for ids, s, p in zip(prompts, samplings, pasts, strict=True)]
+        together = engine.prefill_batch([PrefillRequest(ids, s, p) for ids, s, p in
+                                         zip(prompts, samplings, pasts, strict=True)])
+        assert len(together) == len(prompts)
+        for ids, one, batched in zip(prompts, alone, together, strict=True):
+            assert batched.first_token == one.first_token
+            assert batched.num_computed_tokens == one.num_computed_tokens
+            assert tuple(batched.kv.shape) == engine.info.kv_shape(len(ids))
+            assert not batched.kv.is_inference()
+            torch.testing.assert_close(batched.kv, one.kv, rtol=1e-4, atol=1e-4)
+        for i, (ids, batched) in enumerate(zip(prompts, together, strict=True)):
+            if samplings[i] is not GREEDY:
+                continue
+            engine.add_sequence(f"pb{i}", roundtrip(batched.kv), batched.first_token, GREEDY)
+            tokens = [batched.first_token] + [engine.step()[f"pb{i}"] for _ in range(11)]
+            engine.remove_sequence(f"pb{i}", keep_kv=False)
+            assert tokens == run(engine, ids, 12)
 
     def test_prompt_too_long(self, engine: Engine) -> None:
         short = self.short(engine, 16)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitserve.engines import PromptTooLong, Sampling
+from splitserve.engines import PrefillRequest, PromptTooLong, Sampling
 from splitserve.engines.hf import HfEngine
 from tests.engines.enginetest import TEST_THREADS, kv_from_bytes, roundtrip
 
@@ -113,6 +113,29 @@ def test_batched_decode_equals_alone(real_engine: HfEngine) -> None:
             if len(got[seq_id]) == len(alone[int(seq_id[1:])]):
                 real_engine.remove_sequence(seq_id)
     assert [got[f"b{i}"] for i in range(3)] == alone
+
+
+def test_batched_prefill_gives_the_same_tokens(real_engine: HfEngine) -> None:
+    """Short prompts of different lengths prefilled in one forward: the same first token and greedy
+    continuation as each prefilled alone, KV equal up to float summation order."""
+    questions = ("Hi!", "What is 2+2? Answer briefly.", "Tell me about Paris.", "Name a colour.",
+                 "Write one sentence about the sea, the wind and the sky.")
+    prompts = [chat(real_engine, q) for q in questions] + [real_engine.encode(RAW_PROMPT)]
+    assert len({len(p) for p in prompts}) == len(prompts)
+    alone = [generate(real_engine, ids, 16, seq_id=f"a{i}") for i, ids in enumerate(prompts)]
+    singles = [real_engine.prefill(ids, GREEDY) for ids in prompts]
+    batched = real_engine.prefill_batch([PrefillRequest(ids, GREEDY) for ids in prompts])
+    for i, (one, res) in enumerate(zip(singles, batched, strict=True)):
+        torch.testing.assert_close(res.kv, one.kv, rtol=1e-4, atol=1e-4)
+        real_engine.add_sequence(f"b{i}", roundtrip(res.kv), res.first_token, GREEDY)
+    got = {f"b{i}": [res.first_token] for i, res in enumerate(batched)}
+    while real_engine.active():
+        for seq_id, token in real_engine.step().items():
+            got[seq_id].append(token)
+            done = len(got[seq_id]) == len(alone[int(seq_id[1:])])
+            if done:
+                real_engine.remove_sequence(seq_id, keep_kv=False)
+    assert [got[f"b{i}"] for i in range(len(prompts))] == alone
 
 
 def test_seeded_sampling_repeats_and_differs(real_engine: HfEngine) -> None:

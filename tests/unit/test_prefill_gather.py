@@ -1,0 +1,74 @@
+"""The prefill worker's batch gathering (services.prefill.service.PrefillGather): the jobs started together
+make one engine call once all of them have called or dropped out; a slow one does not hold the rest back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from services.prefill.service import PrefillGather
+from splitserve.engines import PrefillResult, PromptTooLong, Sampling
+
+GREEDY = Sampling()
+
+
+class FakeEngineCalls:
+    def __init__(self) -> None:
+        self.calls: list[list[list[int]]] = []
+
+    async def __call__(self, items: list[tuple[list[int], Sampling]]) -> list[PrefillResult | BaseException]:
+        self.calls.append([ids for ids, _ in items])
+        await asyncio.sleep(0)
+        return [PromptTooLong(len(ids), 4) if len(ids) >= 4 else
+                PrefillResult(first_token=sum(ids), kv=torch.zeros(1), num_computed_tokens=len(ids))
+                for ids, _ in items]
+
+
+def test_jobs_started_together_make_one_call_and_errors_stay_per_job() -> None:
+    calls = FakeEngineCalls()
+
+    async def main() -> list[object]:
+        gather = PrefillGather(["a", "b", "c", "d"], calls)
+
+        async def job(key: str, ids: list[int] | None, delay: float) -> object:
+            await asyncio.sleep(delay)  # the reservation
+            try:
+                if ids is None:
+                    raise RuntimeError("reservation failed")
+                return (await gather.prefill(key, ids, GREEDY)).first_token
+            except Exception as exc:
+                return type(exc).__name__
+            finally:
+                gather.leave(key)
+
+        out = await asyncio.gather(job("a", [1], 0.0), job("b", [2, 3], 0.01), job("c", None, 0.02),
+                                   job("d", [1, 1, 1, 1], 0.005))
+        assert gather.batched == 3
+        return list(out)
+
+    assert asyncio.run(main()) == [1, 5, "RuntimeError", "PromptTooLong"]
+    assert calls.calls == [[[1], [1, 1, 1, 1], [2, 3]]]
+
+
+@pytest.mark.parametrize("wait_s", [0.05])
+def test_a_slow_job_prefills_alone_later(wait_s: float) -> None:
+    calls = FakeEngineCalls()
+
+    async def main() -> list[int]:
+        gather = PrefillGather(["a", "b", "slow"], calls, wait_s=wait_s)
+
+        async def job(key: str, ids: list[int], delay: float) -> int:
+            await asyncio.sleep(delay)
+            try:
+                return (await gather.prefill(key, ids, GREEDY)).first_token
+            finally:
+                gather.leave(key)
+
+        out = await asyncio.gather(job("a", [1], 0.0), job("b", [2], 0.0), job("slow", [3], wait_s * 4))
+        assert gather.batch_of == {"a": 2, "b": 2, "slow": 1}
+        return list(out)
+
+    assert asyncio.run(main()) == [1, 2, 3]
+    assert calls.calls == [[[1], [2]], [[3]]]
