@@ -163,7 +163,11 @@ class Generation:
                     else:
                         now = time.perf_counter()
                         stuck = gap_since is not None and now - gap_since >= c.gap_timeout
-                        if (recovering or stuck) and now - last_poll >= 1.0:
+                        silent = c.probe_s > 0 and now - last_msg >= c.probe_s and now - last_poll >= c.probe_s
+                        if ((recovering or stuck) and now - last_poll >= 1.0) or silent:
+                            # A silent stream may have ended unheard: its messages were published into a
+                            # connection that died (the publisher's NATS node) while this one stayed up, so
+                            # nothing here says they were lost. The end is stored durably: look for it.
                             last_poll = now
                             msg = await c._stored_terminal(req.tenant, req.request_id)
                         if msg is None and stuck:
@@ -301,6 +305,7 @@ class Client:
         gap_timeout: float = 5.0,
         resend_s: float = 5.0,
         failover_s: float = 5.0,
+        probe_s: float = 5.0,
         bus: Bus | None = None,
         nkey_seed: str | None = None,
         inbox_prefix: str | None = None,
@@ -330,6 +335,8 @@ class Client:
         self.gap_timeout = gap_timeout  # how long a missing stream message may stay missing
         self.resend_s = resend_s  # an unanswered request is sent again after this long (idempotent)
         self.failover_s = failover_s  # how long "no router" may last after routers answered before
+        # a stream silent this long looks for its stored end every probe_s (0: never; the idle timeout only)
+        self.probe_s = probe_s
         self._router_seen = False
         # A service that already holds a connection (the HTTP front door) lends it: one connection per
         # process, and the lender, not this client, closes it.

@@ -105,3 +105,33 @@ async def test_reconnect_resends_the_request_idempotently(fresh_nats: NatsServer
         assert len(seen) == 2 and seen[0] == seen[1]  # the same request id, sent again after the reconnect
     finally:
         await nc.close()
+
+
+async def test_a_silent_stream_finds_its_stored_end(nats_server: NatsServer) -> None:
+    """Every live message of a stream was lost (published into a connection that died: the publisher's NATS node)
+    while the client's own connection stayed up, so nothing tells it so. Its end is stored durably; a stream
+    silent for ``probe_s`` looks there, and the client gets the whole output long before its idle timeout."""
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    await js.add_stream(name=proto.Subjects.RESULTS_STREAM, subjects=[proto.Subjects.RESULTS_ALL], allow_direct=True)
+
+    async def on_req(msg: object) -> None:
+        req = proto.decode(msg.data, GenerateRequest)  # type: ignore[attr-defined]
+        await nc.publish(msg.reply, proto.encode(Accepted(request_id=req.request_id, router_id="t",  # type: ignore[attr-defined]
+                                                          prompt_tokens=1)))
+        final = StreamFinal(request_id=req.request_id, seq=3, token_ids=[0, 1, 2], text="t0t1t2",
+                            finish_reason="length", usage=Usage(prompt_tokens=1, completion_tokens=3),
+                            route=Route.DIRECT, prefill_worker=None, decode_worker="d")
+        await js.publish(proto.Subjects.result("acme", req.request_id), proto.encode(final))  # nothing live
+
+    await nc.subscribe("ss.req.acme", cb=on_req)
+    try:
+        async with Client(nats_server.url, tenant="acme", idle_timeout=60, probe_s=0.5) as c:
+            t0 = time.monotonic()
+            gen = c.generate("x", max_tokens=3)
+            deltas = [d async for d in gen]
+            assert time.monotonic() - t0 < 10  # not the 60 s idle timeout
+        assert "".join(d.text for d in deltas) == "t0t1t2" and [t for d in deltas for t in d.token_ids] == [0, 1, 2]
+        assert gen.result is not None and gen.result.text == "t0t1t2"
+    finally:
+        await nc.close()
