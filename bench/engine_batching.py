@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,17 +54,28 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - started
 
 
+def _alternating(rounds: int, base: Callable[[], float], other: Callable[[], float]) -> tuple[list[float], list[float]]:
+    """Each measurement ``rounds`` times, their order swapped every round so drift on a shared machine hits both
+    alike: (base's figures, other's)."""
+    a: list[float] = []
+    b: list[float] = []
+    for r in range(rounds):
+        if r % 2 == 0:
+            a.append(base())
+            b.append(other())
+        else:
+            b.append(other())
+            a.append(base())
+    return a, b
+
+
 def bench_prefill(engine: HfEngine, ids: list[list[int]], rounds: int) -> dict[str, Any]:
     requests = [PrefillRequest(p, GREEDY) for p in ids]
     engine.prefill(ids[0], GREEDY)  # warm-up, both paths
     engine.prefill_batch(requests[:2])
-    alone: list[float] = []
-    together: list[float] = []
-    for r in range(rounds):
-        sides = [("alone", lambda: [engine.prefill(p, GREEDY) for p in ids]),
-                 ("together", lambda: engine.prefill_batch(requests))]
-        for name, fn in sides if r % 2 == 0 else sides[::-1]:
-            (alone if name == "alone" else together).append(_timed(fn) * 1e3 / len(ids))
+    alone, together = _alternating(
+        rounds, lambda: _timed(lambda: [engine.prefill(p, GREEDY) for p in ids]) * 1e3 / len(ids),
+        lambda: _timed(lambda: engine.prefill_batch(requests)) * 1e3 / len(ids))
     a, t = statistics.median(alone), statistics.median(together)
     return {
         "prompts": len(ids),
@@ -90,12 +102,8 @@ def _decode_rate(engine: HfEngine, ids: list[list[int]], steps: int) -> float:
 
 
 def bench_decode(engine: HfEngine, ids: list[list[int]], rounds: int, steps: int) -> dict[str, Any]:
-    one: list[float] = []
-    many: list[float] = []
-    for r in range(rounds):
-        sides = [("one", ids[:1]), ("many", ids)]
-        for name, group in sides if r % 2 == 0 else sides[::-1]:
-            (one if name == "one" else many).append(_decode_rate(engine, group, steps))
+    one, many = _alternating(rounds, lambda: _decode_rate(engine, ids[:1], steps),
+                             lambda: _decode_rate(engine, ids, steps))
     o, m = statistics.median(one), statistics.median(many)
     return {
         "streams": len(ids),
