@@ -44,6 +44,7 @@ import psutil
 from bench.stats import fmt, summary
 from splitserve.client import Client
 from splitserve.natsserver import start_nats
+from splitserve.runtime.service import loop_factory
 from splitserve.stackproc import spawn_service, wait_ready
 
 
@@ -97,6 +98,57 @@ async def _throughput(url: str, n: int, concurrency: int, tenants: int) -> dict[
     return {"requests": n, "seconds": took, "requests_per_s": (n - errors) / took, "errors": errors}
 
 
+async def _nats_floor(url: str, n: int = 4000) -> dict[str, float]:
+    """What nats-py itself costs on this machine, in CPU of one process: a core message (with a traceparent
+    header, ~300 bytes) published and delivered to a callback on the same connection, and an awaited
+    JetStream publish (a round trip: the publish out, its ack in). The router's messages per request times
+    these is the floor no change to the router's own logic can go below."""
+    import nats
+
+    nc = await nats.connect(url)
+    try:
+        got = 0
+        done = asyncio.Event()
+
+        async def cb(_: Any) -> None:
+            nonlocal got
+            got += 1
+            if got == n:
+                done.set()
+
+        await nc.subscribe("bench.floor", cb=cb)
+        payload, hdrs = b"x" * 300, {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
+        c0 = time.process_time()
+        for i in range(n):
+            await nc.publish("bench.floor", payload, headers=hdrs)
+            if i % 64 == 63:
+                await asyncio.sleep(0)  # let deliveries in, as a service does between messages
+        await asyncio.wait_for(done.wait(), 60)
+        core_us = (time.process_time() - c0) / n * 1e6
+        js = nc.jetstream()
+        await js.add_stream(name="BENCH_FLOOR", subjects=["bench.floor.js"], storage="memory")
+        m = n // 4
+        c0 = time.process_time()
+        for _ in range(m):
+            await js.publish("bench.floor.js", payload, headers=hdrs)
+        js_us = (time.process_time() - c0) / m * 1e6
+        await js.delete_stream("BENCH_FLOOR")
+    finally:
+        await nc.close()
+    return {"core_pub_and_deliver_us": core_us, "js_publish_us": js_us}
+
+
+def _conn_msgs(nats: Any, name_part: str) -> tuple[int, int]:
+    """Messages in and out of the connections whose name holds ``name_part``, as nats-server counts them (its
+    ``in_msgs`` are what the client published, ``out_msgs`` what it delivered to the client)."""
+    pub = got = 0
+    for c in nats.connections():
+        if name_part in str(c.get("name") or ""):
+            pub += int(c.get("in_msgs") or 0)  # type: ignore[call-overload]
+            got += int(c.get("out_msgs") or 0)  # type: ignore[call-overload]
+    return pub, got
+
+
 def _cpu_s(pids: dict[str, list[int]]) -> dict[str, float]:
     """CPU seconds (user + system, children not included) used so far by each named group of processes."""
     out: dict[str, float] = {}
@@ -142,7 +194,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="ss-queue-bench-"))
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", SPLITSERVE_MOCK_STEP_MS=str(a.step_ms),
                SPLITSERVE_HOME=str(work / "home"))
-    nats = start_nats(work / "nats")
+    nats = start_nats(work / "nats", monitor=True)
     url = nats.url
     decoders = [_spawn("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch",
                        str(a.max_batch), url=url, wid=f"decode-b{i}", logs=work / "logs", env=env)
@@ -150,6 +202,8 @@ def main() -> None:
     results: dict[str, Any] = {"config": vars(a), "machine": f"{os.cpu_count()} cpus"}
     try:
         asyncio.run(_wait_ready(url, [f"decode-b{i}" for i in range(a.decoders)]))
+        # on the event loop the services run on (uvloop unless SPLITSERVE_EVENT_LOOP=asyncio)
+        results["nats_floor"] = asyncio.Runner(loop_factory=loop_factory()).run(_nats_floor(url))
         for mode in modes:
             flags = ["--no-queue"] if mode == "direct" else []
             router = _spawn("services.router", "--disagg-threshold", "1000000000", "--strategy", "roundrobin",
@@ -165,9 +219,14 @@ def main() -> None:
                     a.profile_router.mkdir(parents=True, exist_ok=True)
                     spy = _profiler(router.pid, a.profile_router / f"router-{mode}.txt")
                     time.sleep(1.0)  # py-spy attaches
-                cpu0, t0 = _cpu_s(pids), time.perf_counter()
+                cpu0, t0, msgs0 = _cpu_s(pids), time.perf_counter(), _conn_msgs(nats, f"router-{mode}")
                 tp = asyncio.run(_throughput(url, a.requests, a.concurrency, a.tenants))
-                cpu = _cpu_report(cpu0, _cpu_s(pids), a.requests - tp["errors"] or 1, time.perf_counter() - t0)
+                done = a.requests - tp["errors"] or 1
+                cpu = _cpu_report(cpu0, _cpu_s(pids), done, time.perf_counter() - t0)
+                msgs1 = _conn_msgs(nats, f"router-{mode}")
+                # (heartbeats and reports of the phase are counted too: a few per second, not per request)
+                cpu["router"]["msgs_out_per_req"] = (msgs1[0] - msgs0[0]) / done
+                cpu["router"]["msgs_in_per_req"] = (msgs1[1] - msgs0[1]) / done
                 if spy is not None:
                     spy.send_signal(signal.SIGINT)
                     spy.wait(timeout=60)
@@ -204,6 +263,16 @@ def main() -> None:
         cpu = results[mode]["cpu"]
         print(f"{mode:8} " + "  ".join(f"{name} {c['us_per_req']:,.0f} µs ({c['cores']:.2f})"
                                        for name, c in cpu.items()))
+    fl = results["nats_floor"]
+    per_msg = fl["core_pub_and_deliver_us"] / 2
+    print(f"nats-py alone, one process: a core message published and delivered {fl['core_pub_and_deliver_us']:,.0f}"
+          f" µs; an awaited JetStream publish {fl['js_publish_us']:,.0f} µs")
+    for mode in modes:
+        rc = results[mode]["cpu"]["router"]
+        n_msgs = rc["msgs_out_per_req"] + rc["msgs_in_per_req"]
+        print(f"{mode:8} router NATS messages per request: {rc['msgs_out_per_req']:.1f} out, "
+              f"{rc['msgs_in_per_req']:.1f} in; at ~{per_msg:,.0f} µs each that is {n_msgs * per_msg:,.0f} µs "
+              f"of its {rc['us_per_req']:,.0f} µs")
     if not both:
         return
     print(f"durable queue adds {added_ttft:+.1f} ms TTFT p50 at low load; throughput "

@@ -121,11 +121,19 @@ class NatsServer:
 
 
 def start_nats(state_dir: Path, *, port: int | None = None, max_payload: int = DEFAULT_MAX_PAYLOAD,
-               extra_config: str = "", log_file: Path | None = None, timeout: float = 10.0) -> NatsServer:
+               extra_config: str = "", log_file: Path | None = None, timeout: float = 10.0,
+               monitor: bool = False) -> NatsServer:
+    """One nats-server with JetStream on a free port (or ``port``); ``monitor`` also opens its HTTP
+    monitoring port (``/connz``: per-connection message counts, which benchmarks read)."""
     state_dir.mkdir(parents=True, exist_ok=True)
     port = free_port(port)
+    monitor_port = None
+    if monitor:
+        monitor_port = free_port()
+        while monitor_port == port:
+            monitor_port = free_port()
     conf = write_config(state_dir / "nats.conf", port=port, store_dir=state_dir / "jetstream",
-                        max_payload=max_payload, extra=extra_config)
+                        max_payload=max_payload, extra=extra_config, monitor_port=monitor_port)
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=out, stderr=subprocess.STDOUT,
                             preexec_fn=child_preexec)
@@ -135,7 +143,8 @@ def start_nats(state_dir: Path, *, port: int | None = None, max_payload: int = D
             raise RuntimeError(f"nats-server exited with code {proc.returncode} (config {conf})")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return NatsServer(proc=proc, url=f"nats://127.0.0.1:{port}", port=port, config=conf)
+                return NatsServer(proc=proc, url=f"nats://127.0.0.1:{port}", port=port, config=conf,
+                                  monitor_port=monitor_port)
         except OSError:
             time.sleep(0.02)
     proc.kill()

@@ -19,25 +19,73 @@ class PromptTokenizer:
     def __init__(self, model: str | None) -> None:
         from transformers import AutoTokenizer
 
+        from splitserve.engines.hf_export import tokenizer_folder
         from splitserve.engines.model_files import resolve_model
 
         ref = resolve_model(model)
-        if ref.gguf_file is not None:
-            self.tok = AutoTokenizer.from_pretrained(str(ref.directory), gguf_file=ref.gguf_file)
+        files = tokenizer_folder(ref)  # a GGUF's tokenizer from its converted folder: 0.6 s, not 4 s
+        if files.gguf_file is not None:
+            self.tok = AutoTokenizer.from_pretrained(str(files.directory), gguf_file=files.gguf_file)
         else:
-            self.tok = AutoTokenizer.from_pretrained(str(Path(ref.directory)))
+            self.tok = AutoTokenizer.from_pretrained(str(Path(files.directory)))
         self.name = ref.name
+        # The Rust tokenizer behind a fast tokenizer: ``tok.encode`` ends in its ``encode``, under about as much
+        # again of transformers' Python wrapping (and a chat template tokenized by transformers pays that on
+        # top of rendering). The router tokenizes every request, so it calls the Rust one directly, but only
+        # once it has given the very same ids as transformers on this tokenizer (checked here).
+        self._rust, self._rust_chat = self._rust_if_same()
+
+    def _rust_if_same(self) -> tuple[Any, bool]:
+        rust = getattr(self.tok, "backend_tokenizer", None)
+        if rust is None:
+            return None, False
+        try:
+            for text in _PROBE_TEXTS:
+                for special in (True, False):
+                    if rust.encode(text, add_special_tokens=special).ids != list(
+                            self.tok.encode(text, add_special_tokens=special)):
+                        return None, False
+        except Exception:
+            return None, False
+        try:
+            same_chat = self._chat_rust(rust, _PROBE_CHAT) == self._chat_slow(_PROBE_CHAT)
+        except Exception:  # no chat template: chat requests get the slow path's own error
+            same_chat = False
+        return rust, same_chat
+
+    def _chat_slow(self, msgs: list[dict[str, Any]]) -> list[int]:
+        out: Any = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if hasattr(out, "input_ids"):  # transformers 5 may return a BatchEncoding
+            out = out["input_ids"]
+        return [int(t) for t in out]
+
+    def _chat_rust(self, rust: Any, msgs: list[dict[str, Any]]) -> list[int]:
+        # What transformers does with tokenize=True: render, then encode without adding special tokens (the
+        # template writes its own).
+        text = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return list(rust.encode(text, add_special_tokens=False).ids)
 
     def token_ids(self, req: GenerateRequest) -> list[int]:
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids)
         if req.messages is not None:
             msgs = [m.model_dump() for m in req.messages]
-            out: Any = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            if hasattr(out, "input_ids"):  # transformers 5 may return a BatchEncoding
-                out = out["input_ids"]
-            return [int(t) for t in out]
+            return self._chat_rust(self._rust, msgs) if self._rust_chat else self._chat_slow(msgs)
         assert req.prompt is not None
         # As vLLM's server: the tokenizer's own special tokens (its BOS when it adds one; SmolLM2's adds none).
         # Chat prompts get theirs from the chat template instead.
+        if self._rust is not None:
+            return list(self._rust.encode(req.prompt, add_special_tokens=True).ids)
         return list(self.tok.encode(req.prompt, add_special_tokens=True))
+
+
+# What the Rust fast path must tokenize exactly as transformers does before the router uses it: spaces, digits,
+# non-ASCII, text that looks like special tokens, the empty string; and a conversation through the template.
+_PROBE_TEXTS = ("Hello, world!", "  two leading spaces\tand a tab\n", "1234567 + 89 = ?", "naïve café 🙂 日本語",
+                "<|im_start|>user\nhi<|im_end|>\n<s></s>", "")
+_PROBE_CHAT: list[dict[str, Any]] = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is the capital of France? Ünïcode 🙂"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And of Japan?"},
+]

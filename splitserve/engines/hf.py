@@ -35,6 +35,7 @@ from splitserve.engines.base import (
     prompt_ids,
 )
 from splitserve.engines.batch import DecodeBatch
+from splitserve.engines.hf_export import loadable
 from splitserve.engines.kvcache import BatchCache, PrefillCache
 from splitserve.engines.model_files import resolve_model
 from splitserve.engines.sampling import sample_logprobs
@@ -122,11 +123,13 @@ class HfEngine(HfTokenizerMixin, Engine):
             torch.set_num_threads(num_threads)  # before loading: GGUF dequantisation uses the pool too
         source = resolve_model(model)
         started = time.perf_counter()
+        # A GGUF from its converted folder (the same weights; a GGUF is parsed and dequantised on every load).
+        files = loadable(source, dtype)
         kwargs: dict[str, Any] = {"local_files_only": True}
-        if source.gguf_file:
-            kwargs["gguf_file"] = source.gguf_file
-        tokenizer = AutoTokenizer.from_pretrained(source.directory, **kwargs)
-        hf_model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=DTYPES[dtype], **kwargs)
+        if files.gguf_file:
+            kwargs["gguf_file"] = files.gguf_file
+        tokenizer = AutoTokenizer.from_pretrained(files.directory, **kwargs)
+        hf_model = AutoModelForCausalLM.from_pretrained(files.directory, dtype=DTYPES[dtype], **kwargs)
         engine = cls(
             hf_model,
             tokenizer,

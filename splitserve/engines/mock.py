@@ -48,6 +48,7 @@ from splitserve.engines.base import (
     materialize,
     prompt_ids,
 )
+from splitserve.engines.hf_export import tokenizer_folder
 from splitserve.engines.model_files import resolve_model
 from splitserve.engines.sampling import _splitmix64
 
@@ -200,7 +201,8 @@ class MockEngine(HfTokenizerMixin, Engine):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         source = resolve_model(model)
         started = time.perf_counter()
-        tokenizer = _load_tokenizer(source.directory, source.gguf_file)
+        files = tokenizer_folder(source)
+        tokenizer = _load_tokenizer(files.directory, files.gguf_file)
         engine = cls(
             tokenizer,
             name=name or f"mock-{source.name}",

@@ -95,15 +95,18 @@ def record_error(span: Span, exc: BaseException | str) -> None:
 
 
 def set_attrs(span: Span, prefix: str = "", **attrs: Any) -> None:
-    """Set attributes, skipping None; lists/dicts become JSON strings (OTel attributes are scalars)."""
+    """Set attributes, skipping None; lists/dicts become JSON strings (OTel attributes are scalars). One
+    ``set_attributes`` call (the SDK takes its lock once); nothing is encoded for a span that is not recorded
+    (sampled out, or tracing off)."""
+    if not span.is_recording():
+        return
+    out: dict[str, Any] = {}
     for k, v in attrs.items():
         if v is None:
             continue
-        key = f"{prefix}{k}"
-        if isinstance(v, (str, bool, int, float)):
-            span.set_attribute(key, v)
-        else:
-            span.set_attribute(key, json.dumps(v, default=str, separators=(",", ":")))
+        out[f"{prefix}{k}"] = v if isinstance(v, (str, bool, int, float)) else json.dumps(
+            v, default=str, separators=(",", ":"))
+    span.set_attributes(out)
 
 
 def _clean(attrs: Mapping[str, Any]) -> dict[str, Any]:
