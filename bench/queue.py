@@ -271,8 +271,9 @@ def main() -> None:
         rc = results[mode]["cpu"]["router"]
         n_msgs = rc["msgs_out_per_req"] + rc["msgs_in_per_req"]
         print(f"{mode:8} router NATS messages per request: {rc['msgs_out_per_req']:.1f} out, "
-              f"{rc['msgs_in_per_req']:.1f} in; at ~{per_msg:,.0f} µs each that is {n_msgs * per_msg:,.0f} µs "
-              f"of its {rc['us_per_req']:,.0f} µs")
+              f"{rc['msgs_in_per_req']:.1f} in; as core messages (~{per_msg:,.0f} µs each) {n_msgs * per_msg:,.0f} µs "
+              f"of its {rc['us_per_req']:,.0f} µs, and each awaited JetStream write among them costs "
+              f"~{fl['js_publish_us'] - fl['core_pub_and_deliver_us']:,.0f} µs more")
     if not both:
         return
     print(f"durable queue adds {added_ttft:+.1f} ms TTFT p50 at low load; throughput "
