@@ -306,6 +306,7 @@ class Client:
         resend_s: float = 5.0,
         failover_s: float = 5.0,
         probe_s: float = 5.0,
+        busy_retry_s: float = 10.0,
         bus: Bus | None = None,
         nkey_seed: str | None = None,
         inbox_prefix: str | None = None,
@@ -337,6 +338,9 @@ class Client:
         self.failover_s = failover_s  # how long "no router" may last after routers answered before
         # a stream silent this long looks for its stored end every probe_s (0: never; the idle timeout only)
         self.probe_s = probe_s
+        # a retryable "busy" answer (the registry or queue unreachable while NATS elects a leader, the queue
+        # full) is sent again after its retry_after, for up to this long (inside accept_timeout; 0: never)
+        self.busy_retry_s = busy_retry_s
         self._router_seen = False
         # A service that already holds a connection (the HTTP front door) lends it: one connection per
         # process, and the lender, not this client, closes it.
@@ -466,6 +470,7 @@ class Client:
         bus = self._require()
         subject = proto.Subjects.request(req.tenant)
         deadline = time.monotonic() + self.accept_timeout
+        busy_until = time.monotonic() + self.busy_retry_s
         no_router_since: float | None = None
         while True:
             remaining = deadline - time.monotonic()
@@ -516,6 +521,14 @@ class Client:
                                          request_id=req.request_id) from None
             self._router_seen = True
             if isinstance(reply, StreamError):
+                if reply.code is ErrorCode.BUSY and reply.retryable:
+                    now = time.monotonic()
+                    wait = max(0.05, (reply.retry_after_ms or 500.0) / 1000)
+                    if now + wait < min(busy_until, deadline):
+                        trace.get_current_span().add_event("busy_retry", {"reason": reply.message,
+                                                                          "retry_after_s": round(wait, 3)})
+                        await asyncio.sleep(wait)
+                        continue
                 raise errors.from_wire(reply)
             return reply
 

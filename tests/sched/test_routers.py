@@ -46,6 +46,7 @@ tenants:
   metered: {tokens_per_minute: 2500}
   resend: {}
   requeue: {}
+  patient: {}
   killme: {}
 """
 
@@ -185,18 +186,17 @@ async def test_a_registered_request_no_queue_holds_is_accepted_only_once_stored(
     while (await js.stream_info(Subjects.QUEUE_STREAM)).state.messages and time.monotonic() < deadline:
         await asyncio.sleep(0.1)  # earlier tests' requests still queued or running
     original = (await js.stream_info(Subjects.QUEUE_STREAM)).config
-    filler = Subjects.queue("nobody", 0)  # no such tenant: no lane ever reads it
     try:
-        # The queue full (one message, discard new): any store fails, as one during a leader election may.
-        await js.update_stream(dataclasses.replace(original, max_msgs=1, discard=DiscardPolicy.NEW))
-        await js.publish(filler, b"{}")
+        # The queue full (no request fits in one byte, discard new): any store fails, as one during a leader
+        # election may. (Not a filler message and max_msgs 1: the routers find any lane with messages within
+        # half a second, and drop an undecodable one.)
+        await js.update_stream(dataclasses.replace(original, max_bytes=1, discard=DiscardPolicy.NEW))
         reply = await nc.request(Subjects.request("requeue"), proto.encode(req), timeout=10)
         err = proto.decode(reply.data, StreamError)
         assert err.code == proto.ErrorCode.BUSY and err.retryable, err
         assert "did not take the re-sent request" in err.message, err.message
     finally:
         await js.update_stream(original)
-        await js.purge_stream(Subjects.QUEUE_STREAM, subject=filler)
     try:
         acc = proto.decode((await nc.request(Subjects.request("requeue"), proto.encode(req), timeout=10)).data,
                            Accepted)
@@ -209,6 +209,45 @@ async def test_a_registered_request_no_queue_holds_is_accepted_only_once_stored(
     finally:
         await nc.close()
         await wire.close()
+
+
+async def test_the_sdk_waits_out_a_busy_router_inside_busy_retry_s(
+        cluster: tuple[str, Path, list]) -> None:  # type: ignore[type-arg]
+    """While the queue refuses stores (full here; unreachable during a leader election alike) every router
+    answers a retryable ``busy``. The SDK sends the request again after each answer's retry_after, so a
+    caller sees a wait that ends in its result once the queue takes it; with ``busy_retry_s=0`` it sees the
+    ``busy`` at once."""
+    from nats.js.api import DiscardPolicy
+
+    url, _, _ = cluster
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    deadline = time.monotonic() + 30
+    while (await js.stream_info(Subjects.QUEUE_STREAM)).state.messages and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)  # earlier tests' requests still queued or running
+    original = (await js.stream_info(Subjects.QUEUE_STREAM)).config
+    restored = False
+    try:
+        async with Client(url, tenant="patient", accept_timeout=30, busy_retry_s=15) as c, \
+                Client(url, tenant="patient", busy_retry_s=0) as hasty:
+            # Full: no request fits in one byte, discard new.
+            await js.update_stream(dataclasses.replace(original, max_bytes=1, discard=DiscardPolicy.NEW))
+            t0 = time.monotonic()
+            with pytest.raises(errors.SplitserveError) as refused:
+                await hasty.submit("no patience", max_tokens=4)
+            assert refused.value.code == proto.ErrorCode.BUSY and refused.value.retryable
+            assert time.monotonic() - t0 < 5
+            waiting = asyncio.ensure_future(c.complete("patience", max_tokens=4))
+            await asyncio.sleep(2.5)
+            assert not waiting.done(), "answered while the queue could take nothing"
+            await js.update_stream(original)
+            restored = True
+            result = await asyncio.wait_for(waiting, 30)
+            assert result.usage.completion_tokens == 4 and result.finish_reason == "length"
+    finally:
+        if not restored:
+            await js.update_stream(original)
+        await nc.close()
 
 
 async def _capped_waves(url: str, waves: int) -> tuple[dict[str, float], int, _Wire]:
