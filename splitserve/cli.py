@@ -142,6 +142,9 @@ def up(
                                            "request long-context"),
     max_stall_ms: float = typer.Option(100.0, "--max-stall-ms", help="longest pause a direct prefill may impose "
                                        "on a decoder's active streams before the prompt goes to a prefiller"),
+    max_migrations: int = typer.Option(2, "--max-migrations", min=0, help="times a request whose worker died is "
+                                       "moved to another (or to the same one, restarted); 0: it ends with "
+                                       "worker_died at once"),
     http_port: int = typer.Option(8000, "--http-port", help="OpenAI-compatible HTTP API port (0 = a free one; "
                                   "a free one if taken)"),
     log_level: str = typer.Option("INFO", "--log-level"),
@@ -170,6 +173,7 @@ def up(
                       state_dir=state_dir or discovery.home() / "stack", threads=threads,
                       cache_tokens=cache_tokens, l1_tokens=l1_tokens, prefill_cpus=prefill_cpus,
                       decode_cpus=decode_cpus, colocated=colocated, max_stall_ms=max_stall_ms,
+                      max_migrations=max_migrations,
                       long_decode=long_decode, long_decode_cpus=long_decode_cpus,
                       long_prompt_tokens=long_prompt_tokens,
                       http_port=http_port, http_host=host, log_level=log_level, kv_connector=kv_connector,

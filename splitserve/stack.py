@@ -68,6 +68,7 @@ class StackConfig:
     long_decode_cpus: str | None = None
     long_prompt_tokens: int = 2048
     max_stall_ms: float = 100.0
+    max_migrations: int = 2  # the routers' --max-migrations
     http_port: int = 8000  # the OpenAI-compatible front door; 0 (or taken) = a free port
     http_host: str = "127.0.0.1"  # the front door's interface (0.0.0.0: every interface)
     log_level: str = "INFO"
@@ -154,7 +155,7 @@ class Stack:
 
         # Colocated: there is nowhere else to send a prompt, so no stall limit (decoders chunk instead).
         router_extra = ["--max-stall-ms", "0" if c.colocated else str(c.max_stall_ms),
-                        "--long-prompt-tokens", str(c.long_prompt_tokens)]
+                        "--long-prompt-tokens", str(c.long_prompt_tokens), "--max-migrations", str(c.max_migrations)]
         out = [Child(f"router-{i}", "router", py + ["services.router", "--worker-id", f"router-{i}", "--strategy",
                                                     c.strategy, "--disagg-threshold",
                                                     str(10**9 if c.colocated else c.disagg_threshold), *router_extra,

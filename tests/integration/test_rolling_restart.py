@@ -139,4 +139,5 @@ async def test_rolling_restart_under_load_no_client_errors(fresh_nats: NatsServe
     # every service exited within its drain bound plus process teardown
     assert all(s < float(DRAIN_S) + 20 for _, s in exits.values()), exits
     assert counts["stream_ok"] > 20 and counts["async_ok"] > 5, counts
-    assert all(len(v) == 1 for v in outputs.values()), {k: len(v) for k, v in outputs.items()}
+    # greedy: one prompt, one output, whichever workers served it (the variants, where a prompt had several)
+    assert all(len(v) == 1 for v in outputs.values()), {k: sorted(v) for k, v in outputs.items() if len(v) > 1}
