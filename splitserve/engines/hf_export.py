@@ -10,7 +10,8 @@ the same tokenizer.
 ``save_pretrained`` of a model loaded from a GGUF fails; copying its state dict into a ``from_config`` model and
 saving that works. A folder is written once, atomically (a temp folder renamed into place), under
 ``$SPLITSERVE_HOME/models/``, by whichever process needs it first (a file lock makes the others wait for it
-rather than convert too), and reused afterwards. Where that folder cannot be written, the GGUF is loaded as it is.
+rather than convert too), and reused afterwards. Where that folder cannot be written (or a GGUF cannot be
+converted), the GGUF is loaded as it is.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def loadable(source: ModelSource, dtype: str = "float32") -> ModelSource:
         return source
     try:
         return ModelSource(ensure_hf_folder(source, dtype=dtype))
-    except OSError as exc:
-        log.warning("cannot write the converted model under %s (%s); loading the GGUF as it is",
+    except Exception as exc:  # unwritable home, or a GGUF transformers loads but cannot save: load it as it is
+        log.warning("could not convert %s under %s (%s); loading the GGUF as it is", source.gguf_file,
                     export_dir(source, dtype).parent, exc)
         return source
 
@@ -80,8 +81,9 @@ def tokenizer_folder(source: ModelSource) -> ModelSource:
     target = export_dir(source, "tokenizer")
     try:
         return ModelSource(_once(target, source, lambda out: _save_tokenizer(source, out)))
-    except OSError as exc:
-        log.warning("cannot write the converted tokenizer under %s (%s); loading the GGUF's", target.parent, exc)
+    except Exception as exc:
+        log.warning("could not save %s's tokenizer under %s (%s); loading the GGUF's", source.gguf_file,
+                    target.parent, exc)
         return source
 
 

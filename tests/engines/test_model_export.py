@@ -111,6 +111,16 @@ def test_an_unwritable_home_loads_the_gguf_as_it_is(tmp_path: Path, bundled: Mod
     assert hf_export.loadable(bundled, "float32") == bundled
 
 
+def test_a_gguf_that_cannot_be_converted_is_loaded_as_it_is(bundled: ModelSource,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    def fails(*_: object) -> None:
+        raise RuntimeError("GGUF export of this architecture: missing ['model.norm.weight']")
+
+    monkeypatch.setattr(hf_export, "_convert", fails)
+    assert hf_export.loadable(bundled, "float16") == bundled
+    assert not hf_export.export_dir(bundled, "float16").exists()
+
+
 def test_a_replaced_gguf_gets_a_folder_of_its_own(tmp_path: Path) -> None:
     model = tmp_path / "m.gguf"
     model.write_bytes(b"v1")
