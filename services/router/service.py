@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import heapq
 import os
 import time
@@ -580,7 +579,7 @@ class RouterService(Service):
         req, old = inf.request, inf.job
         context = [*old.prompt_token_ids, *inf.tokens]
         now = time.monotonic()
-        views = self._views(now)
+        views = [self._view(hb) for hb in self.registry.live("decode", now) + self.registry.live("prefill", now)]
         rreq = RoutingRequest(request_id=req.request_id, tenant=req.tenant, token_ids=context,
                               session_key=req.session_id, force_route=None if req.route == "auto" else req.route)
         try:
@@ -1144,7 +1143,7 @@ class RouterService(Service):
         caller's request; otherwise a failure goes to the request's stream subject."""
         log = self.log.bind(request_id=req.request_id, tenant=req.tenant)
         now = time.monotonic()
-        views = self._views(now)
+        views = [self._view(hb) for hb in self.registry.live("decode", now) + self.registry.live("prefill", now)]
         rreq = RoutingRequest(request_id=req.request_id, tenant=req.tenant, token_ids=ids,
                               session_key=req.session_id, force_route=None if req.route == "auto" else req.route)
         try:
@@ -1295,21 +1294,6 @@ class RouterService(Service):
         now = time.monotonic()
         live = self.registry.live("decode", now) + self.registry.live("prefill", now)
         await self.b.respond(msg, explain.answer(self.worker_id, self.policy, req, ids, live, self._view, now))
-
-    def _views(self, now: float) -> list[WorkerView]:
-        """The live workers as the policy sees them. A decoder runs at least the requests this router has in
-        flight on it: its last heartbeat (up to an interval old) may not list streams that started since, and a
-        rule that protects running streams (would_stall) must not take them for absent."""
-        mine: dict[str, int] = {}
-        for inf in self.inflight.values():
-            mine[inf.decoder] = mine.get(inf.decoder, 0) + 1
-        views = []
-        for hb in self.registry.live("decode", now) + self.registry.live("prefill", now):
-            v = self._view(hb)
-            if hb.role == "decode" and mine.get(hb.worker_id, 0) > v.active_seqs:
-                v = dataclasses.replace(v, active_seqs=mine[hb.worker_id])
-            views.append(v)
-        return views
 
     @staticmethod
     def _view(hb: Heartbeat) -> WorkerView:

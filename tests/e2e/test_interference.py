@@ -17,6 +17,7 @@ import pytest
 
 from splitserve.client import Client, Result
 from splitserve.stackproc import StackProc, start_stack
+from tests.procs import heartbeat_of
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +52,11 @@ async def _with_streams(url: str, n: int, during: Any) -> tuple[list[Result], An
 
         tasks = [asyncio.create_task(stream(i)) for i in range(n)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+        # and until the decoder's heartbeat shows them: the router decides on heartbeats (the simulator alike),
+        # and one sent before the streams started would show the decoder idle
+        deadline = asyncio.get_running_loop().time() + 30
+        while (await heartbeat_of(url, "decode-0")).load.active_seqs < n:
+            assert asyncio.get_running_loop().time() < deadline, "the streams never showed in a heartbeat"
         out = await during(c)
         return list(await asyncio.gather(*tasks)), out
 
