@@ -122,12 +122,11 @@ def _save_tokenizer(source: ModelSource, out: Path) -> None:
 
 def _convert(source: ModelSource, out: Path, dtype: str) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch_dtype = getattr(torch, dtype)
     kwargs = {"local_files_only": True, "gguf_file": source.gguf_file}
-    tokenizer = AutoTokenizer.from_pretrained(source.directory, **kwargs)
     loaded = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch_dtype, **kwargs)
     config = loaded.config
     # the weights are dequantised now: a leftover GGUF quantization_config would make vLLM expect GGUF
@@ -141,4 +140,4 @@ def _convert(source: ModelSource, out: Path, dtype: str) -> None:
         raise RuntimeError(f"GGUF export of {source.name}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     fresh.generation_config = loaded.generation_config
     fresh.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    _save_tokenizer(source, out)
