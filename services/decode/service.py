@@ -62,6 +62,9 @@ from splitserve.kv.transport import usable_transport
 from splitserve.obs import tracing
 from splitserve.runtime.service import Service
 
+# hand_over waits this long for the engine loop to finish the step it is in before cancelling it.
+HAND_OVER_STEP_S = 2.0
+
 
 @dataclass
 class Reservation:
@@ -147,6 +150,7 @@ class DecodeService(Service):
         self._loop_task: asyncio.Task[None] | None = None
         self.admitting: str | None = None  # the request being admitted (prefilled) now: held, though in no list
         self._wake = asyncio.Event()
+        self._stopping = False  # hand_over: the engine loop ends after the step it is in
         self.thread = EngineThread(f"decode-{worker_id}")
         # One decode.stream span per admitted sequence, open until it finishes or fails: decode jobs arrive
         # as NATS messages, so the trace context is kept per sequence, not in a task's context.
@@ -187,8 +191,15 @@ class DecodeService(Service):
 
     async def hand_over(self) -> None:
         # Stop the engine loop first: no delta may follow the "stopped" heartbeat the routers migrate on (NATS
-        # keeps one connection's messages in order, so the router has seen every token the caller has).
+        # keeps one connection's messages in order, so the router has seen every token the caller has). It
+        # stops between steps: cancelled inside one, a request could publish its last delta and not its final,
+        # and the decoder it moves to would be asked to go on past max_tokens. A step that takes longer than
+        # the bound (a long local prefill) is cancelled.
         if self._loop_task is not None:
+            self._stopping = True
+            self._wake.set()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(self._loop_task), HAND_OVER_STEP_S)
             self._loop_task.cancel()
             with contextlib.suppress(BaseException):
                 await self._loop_task
@@ -391,7 +402,7 @@ class DecodeService(Service):
 
     # --- the engine loop ------------------------------------------------------------------------------
     async def _engine_loop(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 if self.pending and len(self.active) < self.max_batch:
                     await self._admit(self.pending.popleft())

@@ -43,7 +43,7 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 from nats.aio.msg import Msg
@@ -546,12 +546,6 @@ class RouterService(Service):
             await self._fail(inf, ErrorCode.WORKER_DIED, f"{reason} while serving this request (not moved: {why})",
                              failed)
             return
-        if attempt >= self.max_migrations:
-            tracing.set_attrs(sp, migrated=False, exhausted=True)
-            await self._fail(inf, code,
-                             f"{reason} while serving this request, after {attempt} migration(s) "
-                             f"(--max-migrations {self.max_migrations})", failed)
-            return
         # Fence the previous decoder: a dead one does not answer; one only thought dead (or whose prefiller
         # died) drops the attempt, or, when the KV has landed there and it was not the one that failed, keeps it.
         try:
@@ -566,7 +560,20 @@ class RouterService(Service):
             inf.holder = inf.decoder
             return
         if inf.cancelled:
-            await self._end_moved_cancelled(inf)
+            await self._end_here(inf, "cancelled")
+            return
+        if len(inf.tokens) >= inf.request.sampling.max_tokens:
+            # Its worker stopped between the last token and the final message: the output is complete. (Sent
+            # on, a decoder would have to produce at least one token more than max_tokens.)
+            tracing.set_attrs(sp, migrated=False, complete=True)
+            log.info("ended_without_migration", reason=reason, completion_tokens=len(inf.tokens))
+            await self._end_here(inf, "length")
+            return
+        if attempt >= self.max_migrations:
+            tracing.set_attrs(sp, migrated=False, exhausted=True)
+            await self._fail(inf, code,
+                             f"{reason} while serving this request, after {attempt} migration(s) "
+                             f"(--max-migrations {self.max_migrations})", failed)
             return
         decoders = await self._wait_for_decoders()
         if self.inflight.get(inf.request_id) is not inf:
@@ -615,8 +622,9 @@ class RouterService(Service):
         except PayloadTooLarge as exc:
             await self._fail(inf, ErrorCode.PAYLOAD_TOO_LARGE, str(exc))
 
-    async def _end_moved_cancelled(self, inf: Inflight) -> None:
-        """Cancelled while it had no worker: end it here with what the caller already has."""
+    async def _end_here(self, inf: Inflight, reason: Literal["cancelled", "length"]) -> None:
+        """End a request whose worker is gone here, with what the caller already has: it was cancelled while
+        it had no worker, or its output was already complete."""
         self.inflight.pop(inf.request_id, None)
         await self._retire(inf, None)
         job = inf.job
@@ -624,11 +632,12 @@ class RouterService(Service):
         usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(inf.tokens))
         await self.b.publish(inf.stream_subject, StreamFinal(
             request_id=inf.request_id, seq=inf.next_seq, token_ids=list(inf.tokens), text="".join(inf.text),
-            finish_reason="cancelled", usage=usage, route=job.route, prefill_worker=job.prefill_worker,
+            finish_reason=reason, usage=usage, route=job.route, prefill_worker=job.prefill_worker,
             decode_worker="", decision=job.decision))
         await self.b.publish(Subjects.finished(inf.tenant, inf.request_id), RequestFinished(
-            request_id=inf.request_id, tenant=inf.tenant, worker_id=self.worker_id, status="cancelled",
-            usage=usage, route=job.route))
+            request_id=inf.request_id, tenant=inf.tenant, worker_id=self.worker_id,
+            status="cancelled" if reason == "cancelled" else "ok", usage=usage, route=job.route,
+            finish_reason=reason))
 
     # --- drain -----------------------------------------------------------------------------------------
     async def drain(self) -> None:

@@ -195,3 +195,62 @@ async def test_draining_decoder_hands_over_without_error(fresh_nats: NatsServer,
             _check_unbroken([f, *rest], g.result, reference)
     log = (logs / "decode-d1.log").read_text()
     assert '"handed_over"' in log and '"drained"' in log
+
+
+async def test_a_worker_lost_after_the_last_token_ends_the_request_complete(
+        fresh_nats: NatsServer, tmp_path: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+    """A decoder that stops between a request's last delta and its final message (a drain's hand-over, or a
+    crash, at that moment) left the output complete: the router ends the request with what the caller has
+    (finish_reason "length"), instead of asking another decoder to go on past max_tokens. (Seen in CI: the
+    rolling-restart test got one prompt with max_tokens + 1 tokens.) The decoder here is the test itself, on
+    NATS, so that it can stop at exactly that point."""
+    from proto import DecodeJob, StreamDelta, Subjects, WorkerLoad
+
+    url, logs = fresh_nats.url, tmp_path / "logs"
+    procs.append(_router(url, logs, "router-e", "--disagg-threshold", "1000000000"))
+    nc = await nats.connect(url)
+    jobs: list[DecodeJob] = []
+    state = "ready"
+
+    async def heartbeat(seq: int) -> None:
+        hb = Heartbeat(worker_id="decode-e", role="decode", seq=seq, engine="mock", state=state,  # type: ignore[arg-type]
+                       max_model_len=8192, active_requests=[j.request_id for j in jobs],
+                       load=WorkerLoad(max_seqs=8, free_blocks=1000, total_blocks=1000))
+        await nc.publish(Subjects.heartbeat("decode", "decode-e"), proto.encode(hb))
+
+    async def heartbeats() -> None:
+        seq = 0
+        while state == "ready":
+            seq += 1
+            await heartbeat(seq)
+            await asyncio.sleep(0.3)
+
+    async def serve(msg: object) -> None:
+        nonlocal state
+        job = proto.decode(msg.data, DecodeJob)  # type: ignore[attr-defined]
+        jobs.append(job)
+        await heartbeat(10_000)  # the router sees the job arrive
+        for i in range(job.sampling.max_tokens):
+            await nc.publish(job.stream_subject, proto.encode(StreamDelta(
+                request_id=job.request_id, seq=i, token_ids=[1000 + i], text=f" w{i}")))
+        state = "stopped"  # ... and no StreamFinal: handed over between the last delta and the final
+        await heartbeat(10_001)
+
+    await nc.subscribe(Subjects.decode_job("decode-e"), cb=serve)
+    hb_task = asyncio.create_task(heartbeats())
+    try:
+        await wait_ready(url, ["router-e"], timeout=180)
+        await asyncio.sleep(1.0)  # the router has heard the decoder
+        async with Client(url, tenant="spent", idle_timeout=30) as c:
+            gen = c.generate(PROMPT, max_tokens=5)
+            deltas, result = await asyncio.wait_for(_stream(gen), 30)
+        assert len(jobs) == 1
+        assert result.token_ids == [1000, 1001, 1002, 1003, 1004]
+        assert result.text == " w0 w1 w2 w3 w4" and result.finish_reason == "length"
+        assert result.usage.completion_tokens == 5
+        assert [d.seq for d in deltas] == [0, 1, 2, 3, 4]
+        log = (logs / "router-e.log").read_text()
+        assert '"ended_without_migration"' in log and '"migrated"' not in log, log[-3000:]
+    finally:
+        hb_task.cancel()
+        await nc.close()

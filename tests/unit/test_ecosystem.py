@@ -6,6 +6,7 @@ plain-text BOS rule, hub ids from the local cache, NIXL's fallback, and the CLI 
 from __future__ import annotations
 
 import math
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -243,8 +244,14 @@ def test_vllm_workers_serve_their_own_registry(monkeypatch: pytest.MonkeyPatch) 
     from services.common.vllm_worker import METRICS_PORT_ENV, serve_vllm_metrics
 
     class Log:
+        def __init__(self) -> None:
+            self.warnings: list[tuple[str, dict[str, Any]]] = []
+
         def info(self, *a: Any, **kw: Any) -> None:
             pass
+
+        def warning(self, event: str, **kw: Any) -> None:
+            self.warnings.append((event, kw))
 
     monkeypatch.delenv(METRICS_PORT_ENV, raising=False)
     assert serve_vllm_metrics(Log()) is None  # not asked for
@@ -256,8 +263,38 @@ def test_vllm_workers_serve_their_own_registry(monkeypatch: pytest.MonkeyPatch) 
         url = serve_vllm_metrics(Log())
         assert url is not None
         assert 'vllm:test_generation_tokens_total{model_name="m"} 3.0' in httpx2.get(url).text
+        # The port `splitserve up` chose is taken by the time the model has loaded (a CI run once died of it):
+        # the worker serves on another port and says so; it does not exit.
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", 0))
+            held.listen()
+            taken = held.getsockname()[1]
+            monkeypatch.setenv(METRICS_PORT_ENV, str(taken))
+            log = Log()
+            url2 = serve_vllm_metrics(log)
+            assert url2 is not None and f":{taken}/" not in url2
+            assert [e for e, _ in log.warnings] == ["vllm_metrics_port_taken"]
+            assert log.warnings[0][1]["wanted"] == taken
+            assert "vllm:test_generation_tokens_total" in httpx2.get(url2).text
     finally:
         REGISTRY.unregister(c)
+
+
+def test_ports_picked_ahead_of_binding_avoid_the_kernels_ephemeral_range() -> None:
+    """A port picked now and bound minutes later (a vLLM worker's metrics, a restarted node) must not be one
+    the kernel may meanwhile hand to any bind(0) or outgoing connection."""
+    from splitserve.natsserver import _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    picked = {free_port() for _ in range(50)}
+    assert all(p < low for p in picked)
+    assert len(picked) > 40  # random, so that two pickers rarely agree
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        busy = held.getsockname()[1]
+        assert free_port(busy) != busy  # a preferred port that is taken is not returned
+    mine = free_port()
+    assert free_port(mine) == mine
 
 
 def test_raw_process_output_is_wrapped_as_json() -> None:
