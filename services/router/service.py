@@ -626,18 +626,18 @@ class RouterService(Service):
         """End a request whose worker is gone here, with what the caller already has: it was cancelled while
         it had no worker, or its output was already complete."""
         self.inflight.pop(inf.request_id, None)
-        await self._retire(inf, None)
         job = inf.job
         assert job is not None
         usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(inf.tokens))
+        status: Literal["cancelled", "ok"] = "cancelled" if reason == "cancelled" else "ok"
+        await self._retire(inf, usage.prompt_tokens + usage.completion_tokens, status)
         await self.b.publish(inf.stream_subject, StreamFinal(
             request_id=inf.request_id, seq=inf.next_seq, token_ids=list(inf.tokens), text="".join(inf.text),
             finish_reason=reason, usage=usage, route=job.route, prefill_worker=job.prefill_worker,
             decode_worker="", decision=job.decision))
         await self.b.publish(Subjects.finished(inf.tenant, inf.request_id), RequestFinished(
-            request_id=inf.request_id, tenant=inf.tenant, worker_id=self.worker_id,
-            status="cancelled" if reason == "cancelled" else "ok", usage=usage, route=job.route,
-            finish_reason=reason))
+            request_id=inf.request_id, tenant=inf.tenant, worker_id=self.worker_id, status=status, usage=usage,
+            route=job.route, finish_reason=reason))
 
     # --- drain -----------------------------------------------------------------------------------------
     async def drain(self) -> None:

@@ -181,6 +181,9 @@ class Service:
             await self._heartbeat()
             await self._drain_bounded()
         finally:
+            # Services also run inside other processes (tests, benchmarks): a stopped one stops watching.
+            with contextlib.suppress(ValueError):
+                gc.callbacks.remove(self._gc_watch)
             self._state = "stopped"
             with contextlib.suppress(Exception):
                 await self._heartbeat()

@@ -187,6 +187,18 @@ async def test_disconnect_mid_stream_releases_the_subscription(cluster: FakeClus
         assert len(nc._subs) == baseline
 
 
+async def test_a_stopped_service_stops_watching_the_garbage_collector(nats_server: NatsServer) -> None:
+    """Services also run inside other processes (tests, benchmarks): each one that stopped left its gc
+    callback behind, and every later collection logged one gc_pause line per service ever run."""
+    import gc
+
+    before = list(gc.callbacks)
+    for _ in range(2):
+        async with frontend(nats_server.url) as svc:
+            assert svc._gc_watch in gc.callbacks
+    assert gc.callbacks == before
+
+
 async def test_no_router_is_503_at_once(nats_server: NatsServer) -> None:
     async with frontend(nats_server.url) as svc, httpx2.AsyncClient(base_url=svc.url) as http:
         r = await http.post("/v1/completions", json={"prompt": "x"})
