@@ -149,6 +149,7 @@ class DecodeService(Service):
         self.revoked: dict[str, int] = {}  # request id -> highest attempt revoked here (bounded, insertion-ordered)
         self._loop_task: asyncio.Task[None] | None = None
         self.admitting: str | None = None  # the request being admitted (prefilled) now: held, though in no list
+        self._admitting_prefill = 0  # its tokens to prefill here (0: its KV came from a prefiller)
         self._wake = asyncio.Event()
         self._stopping = False  # hand_over: the engine loop ends after the step it is in
         self.thread = EngineThread(f"decode-{worker_id}")
@@ -225,11 +226,16 @@ class DecodeService(Service):
 
     def load(self) -> WorkerLoad:
         reserved = sum(len(r.block_ids) for r in self.reservations.values())
+        # The request being admitted is a stream already (as the simulator's decoder counts its prefilling
+        # sequences): heartbeats list it, so the routers stop counting it as their own pending load, and
+        # leaving it out here made a stream in its local prefill invisible to the stall rule.
+        admitting = self.admitting is not None and self.admitting not in self.active
         return WorkerLoad(
-            active_seqs=len(self.active),
+            active_seqs=len(self.active) + admitting,
             max_seqs=self.max_batch,
             queued_requests=len(self.pending),
-            queued_prefill_tokens=sum(len(a.job.context_token_ids()) for a in self.pending if a.kv is None),
+            queued_prefill_tokens=sum(len(a.job.context_token_ids()) for a in self.pending if a.kv is None)
+            + (self._admitting_prefill if admitting else 0),
             free_blocks=self.pool.num_free if hasattr(self, "pool") else 0,
             total_blocks=self.pool.num_blocks if hasattr(self, "pool") else 0,
             reserved_blocks=reserved,
@@ -428,10 +434,12 @@ class DecodeService(Service):
 
     async def _admit(self, adm: Admission) -> None:
         self.admitting = adm.job.request_id
+        self._admitting_prefill = len(adm.job.context_token_ids()) if adm.kv is None else 0
         try:
             await self._admit_one(adm)
         finally:
             self.admitting = None
+            self._admitting_prefill = 0
             self._release(adm)
 
     async def _admit_one(self, adm: Admission) -> None:
