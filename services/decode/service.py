@@ -149,7 +149,7 @@ class DecodeService(Service):
         self.revoked: dict[str, int] = {}  # request id -> highest attempt revoked here (bounded, insertion-ordered)
         self._loop_task: asyncio.Task[None] | None = None
         self.admitting: str | None = None  # the request being admitted (prefilled) now: held, though in no list
-        self._admitting_prefill = 0  # its tokens to prefill here (0: its KV came from a prefiller)
+        self._admitting_prefill = 0  # its tokens still to compute here (0: its KV came from a prefiller)
         self._wake = asyncio.Event()
         self._stopping = False  # hand_over: the engine loop ends after the step it is in
         self.thread = EngineThread(f"decode-{worker_id}")
@@ -525,6 +525,7 @@ class DecodeService(Service):
                 past, cached = m.kv, m.num_tokens
         pos, compute_s, chunks = cached, 0.0, 0
         while True:
+            self._admitting_prefill = len(ids) - pos  # what load() reports: a cached prefix costs nothing
             chunked = bool(self.active) and self.prefill_chunk > 0
             end = min(len(ids), pos + self.prefill_chunk) if chunked else len(ids)
             t0 = time.perf_counter()
@@ -535,6 +536,7 @@ class DecodeService(Service):
                 break
             past, pos = res.kv, end
             await self._step()
+        self._admitting_prefill = 0
         computed = len(ids) - cached
         self.log.info("local_prefill", tokens=len(ids), cached_tokens=cached, chunks=chunks,
                       compute_ms=round(compute_s * 1000, 1), streams=len(self.active))
