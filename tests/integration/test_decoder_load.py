@@ -18,7 +18,7 @@ import nats
 import pytest
 
 import proto
-from proto import Heartbeat
+from proto import Heartbeat, Subjects
 from splitserve.client import Client
 from splitserve.natsserver import NatsServer
 from tests.procs import spawn_service, stop, wait_ready
@@ -43,7 +43,7 @@ async def test_a_request_in_its_local_prefill_counts_as_a_stream_with_its_prefil
         async def on_hb(msg: object) -> None:
             seen.append(proto.decode(msg.data, Heartbeat))  # type: ignore[attr-defined]
 
-        await nc.subscribe("ss.hb.decode.decode-l", cb=on_hb)
+        await nc.subscribe(Subjects.heartbeat("decode", "decode-l"), cb=on_hb)
         async with Client(url, tenant="load", idle_timeout=60) as c:
             gen = c.generate(" ".join(["lorem ipsum dolor"] * 200), max_tokens=4)
             t0 = time.monotonic()

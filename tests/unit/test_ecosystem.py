@@ -276,6 +276,12 @@ def test_vllm_workers_serve_their_own_registry(monkeypatch: pytest.MonkeyPatch) 
             assert [e for e, _ in log.warnings] == ["vllm_metrics_port_taken"]
             assert log.warnings[0][1]["wanted"] == taken
             assert "vllm:test_generation_tokens_total" in httpx2.get(url2).text
+        # A value that is no port: a warning, and the series on a free port.
+        monkeypatch.setenv(METRICS_PORT_ENV, "not-a-port")
+        log = Log()
+        url3 = serve_vllm_metrics(log)
+        assert url3 is not None and [e for e, _ in log.warnings] == ["vllm_metrics_port_invalid"]
+        assert "vllm:test_generation_tokens_total" in httpx2.get(url3).text
     finally:
         REGISTRY.unregister(c)
 
