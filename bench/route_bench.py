@@ -7,6 +7,11 @@ so it holds what those workers would cache: tens of thousands of blocks); then e
 at its trace timestamp with ``Router.decide`` against that index and heartbeat-like worker views from a
 small load model (``LoadModel``) that reacts to the decisions. ``prefixaware`` gets one untimed warm-up pass
 over the trace so its own tree is as full as the shared index. Only ``decide`` is timed, one call at a time.
+
+Tenants: the live router keys every request's blocks by its tenant's cache salt, so tenants never share cached
+prefixes. ``--tenants N`` (default 1) spreads the trace's sessions over N tenants and salts each row's hashes
+(history and measured requests alike) with its tenant's salt; with 1 every request is one tenant's, which is
+what the KV-aware figures within a tenant are measured on. ``--tenants 0`` replays the unsalted trace.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from bench.workload import DEFAULT_TRACE, build_workload, load_trace, offset_rows
+from bench.workload import DEFAULT_TRACE, build_workload, load_trace, offset_rows, row_tenant, tenant_root
 from splitserve.cache import PrefixIndex, mooncake_block_hashes
 from splitserve.routing import Decision, Router, RoutingRequest, WorkerView, available
 
@@ -116,13 +121,15 @@ def run(
     strategies: list[str] | None = None,
     sessions: int = 400,
     limit: int | None = None,
+    tenants: int = 1,
 ) -> dict[str, Any]:
     rows = [r for r in load_trace(trace, limit) if r.hash_ids]
     t0 = time.perf_counter()
     # What these workers served before: the same trace in a disjoint hash space, replayed into the index and
     # the workers' caches. The measured requests then find a full index but only their own reuse.
     history = build_workload(
-        offset_rows(rows), workers, capacity_blocks=capacity_blocks, block_size=block_size
+        offset_rows(rows), workers, capacity_blocks=capacity_blocks, block_size=block_size, tenants=tenants,
+        sessions=sessions,
     )
     base_index = PrefixIndex()
     for batch in history.batches_iter():
@@ -131,7 +138,7 @@ def run(
     assert history.caches is not None
     requests = [
         (
-            mooncake_block_hashes(row.hash_ids, block_size),
+            mooncake_block_hashes(row.hash_ids, block_size, parent=tenant_root(row_tenant(i, tenants, sessions))),
             row.input_length,
             row.output_length,
             row.timestamp_ms / 1000.0,
@@ -141,12 +148,12 @@ def run(
     ]
     warmup = [
         (
-            mooncake_block_hashes(row.hash_ids, block_size),
+            mooncake_block_hashes(row.hash_ids, block_size, parent=tenant_root(row_tenant(i, tenants, sessions))),
             row.input_length,
             row.output_length,
             row.timestamp_ms / 1000.0 - 2000.0,
         )
-        for row in offset_rows(rows)
+        for i, row in enumerate(offset_rows(rows))
     ]
     prep_s = time.perf_counter() - t0
     stats = base_index.stats()
@@ -157,6 +164,7 @@ def run(
         "block_size_tokens": block_size,
         "capacity_blocks": capacity_blocks,
         "disagg_threshold": disagg_threshold,
+        "tenants": tenants,
         "requests": len(requests),
         "index_blocks_at_start": stats.blocks,
         "index_worker_blocks_at_start": sum(sum(m.values()) for m in stats.worker_blocks.values()),
@@ -227,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--disagg-threshold", type=int, default=2048)
     ap.add_argument("--strategies", default=",".join(available()))
     ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--tenants", type=int, default=1,
+                    help="spread the sessions over N tenants, each with its own cache salt (0: unsalted)")
     ap.add_argument("--cpu", type=int, default=None, help="pin to this CPU core")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -241,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         a.disagg_threshold,
         a.strategies.split(","),
         limit=a.limit,
+        tenants=a.tenants,
     )
     if a.json:
         print(json.dumps(res, indent=2))

@@ -28,7 +28,9 @@ from splitserve.cache import (
     KvEventBatch,
     PrefixIndex,
     mooncake_block_hashes,
+    root_hash,
 )
+from splitserve.tenancy.config import TenantsConfig
 
 # The project's reference data lives beside the checkout: ../shared/data (CI has the same copy). Installed from
 # a wheel there is no checkout: $SPLITSERVE_TRACES_DIR (or each benchmark's --trace / --traces-dir) says where.
@@ -77,6 +79,23 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRow]:
                 break
     rows.sort(key=lambda r: r.timestamp_ms)
     return rows
+
+
+def row_tenant(i: int, tenants: int, sessions: int | None = None) -> str | None:
+    """The tenant serving trace row ``i`` when the replay spreads the trace over ``tenants`` tenants (0: none,
+    the trace's own unsalted id space). With ``sessions``, a session (``i % sessions``) belongs to one tenant."""
+    if tenants <= 0:
+        return None
+    return f"tenant-{(i % sessions if sessions else i) % tenants}"
+
+
+def tenant_root(tenant: str | None) -> int | None:
+    """The root of a trace row's hash chain when ``tenant`` serves it: scoped by that tenant's cache salt (as
+    the live router salts every request without a tenants file), so tenants never share a block. None: the
+    default Mooncake root."""
+    if tenant is None:
+        return None
+    return root_hash("mooncake", extra=(TenantsConfig.open_mode().cache_salt(tenant),))
 
 
 def offset_rows(rows: list[TraceRow], copy: int = 1) -> list[TraceRow]:
@@ -208,6 +227,8 @@ def build_workload(
     event_shape: str = "vllm",
     chunk_tokens: int = 8192,
     keep_requests: bool = False,
+    tenants: int = 0,
+    sessions: int | None = None,
 ) -> Workload:
     caches = WorkerCaches(capacity_blocks, block_size, event_shape, chunk_tokens)
     workers = [f"worker-{i:03d}" for i in range(n_workers)]
@@ -229,7 +250,8 @@ def build_workload(
     request_hashes: list[list[int]] = []
     assignment: list[str] = []
     for r_i, row in enumerate(rows):
-        hashes = mooncake_block_hashes(row.hash_ids, block_size)
+        # ``tenants``: each row hashed under its tenant's salt (see row_tenant / tenant_root)
+        hashes = mooncake_block_hashes(row.hash_ids, block_size, parent=tenant_root(row_tenant(r_i, tenants, sessions)))
         if not hashes:
             continue
         now = row.timestamp_ms

@@ -18,13 +18,16 @@ from proto.codec import (
 )
 from proto.messages import *  # noqa: F403
 from proto.messages import __all__ as _messages_all
-from proto.subjects import Subjects
+from proto.subjects import Subjects, reply_subjects, request_key, subject_identity
 
 __all__ = [
     "HEADER_KIND",
     "HEADER_VERSION",
     "ProtocolError",
     "Subjects",
+    "reply_subjects",
+    "request_key",
+    "subject_identity",
     "decode",
     "decode_stream",
     "encode",

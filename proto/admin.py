@@ -31,6 +31,8 @@ class RouteExplainRequest(Message):
     messages: list[ChatMessage] | None = None
     prompt_token_ids: TokenIds | None = None
     session_id: str | None = Field(default=None, max_length=256)
+    # The request's own cache salt (as GenerateRequest's): the router salts the lookup the way it would route.
+    cache_salt: str | None = Field(default=None, max_length=256)
     # None: every registered strategy; the router's own (live) strategy is always marked in the reply.
     strategies: list[str] | None = Field(default=None, max_length=MAX_EXPLAIN_STRATEGIES)
 

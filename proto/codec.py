@@ -47,7 +47,7 @@ def headers_for(msg: BaseModel, extra: dict[str, str] | None = None) -> dict[str
 def _check_version(data: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"payload is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "payload must be a JSON object")

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import time
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from proto.subjects import check_token
+from proto.subjects import check_token, reply_subjects
 from proto.tokens import TokenIds
 
 PROTO_VERSION = 1
@@ -78,6 +78,19 @@ def now_ms() -> float:
     return time.time() * 1000.0
 
 
+def _own_reply_subject(subject: str, tenant: str, request_id: str) -> str:
+    """A request's stream subject is derived from (tenant, request id), never chosen by a sender: an empty
+    value becomes the live stream subject, and anything but the stream or result subject is refused, so no
+    service ever publishes where a message body points it (another tenant's subjects, ``$KV``, ``$JS.API``)."""
+    stream, result = reply_subjects(tenant, request_id)
+    if not subject:
+        return stream
+    if subject not in (stream, result):
+        raise ValueError(f"stream_subject must be {stream!r} or {result!r} (derived from the tenant and the request "
+                         f"id), not {subject[:80]!r}")
+    return subject
+
+
 class Message(BaseModel):
     """Base of every wire message."""
 
@@ -95,6 +108,9 @@ class ErrorCode(StrEnum):
     PROMPT_TOO_LONG = "prompt_too_long"  # more tokens than the model or the tenant allows
     PAYLOAD_TOO_LARGE = "payload_too_large"  # encoded message over the NATS payload limit
     UNKNOWN_TENANT = "unknown_tenant"
+    # The message claims a tenant (or request) other than the one its subject is authorised for, or acts on a
+    # request the sender does not own.
+    FORBIDDEN = "forbidden"
     QUOTA_EXCEEDED = "quota_exceeded"
     NO_WORKERS = "no_workers"  # no live worker of a needed role within the bounded wait
     WORKER_DIED = "worker_died"  # the worker serving the request stopped mid-request
@@ -176,7 +192,8 @@ class GenerateRequest(Message):
     prompt_token_ids: TokenIds | None = None
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     session_id: str | None = Field(default=None, max_length=256)
-    stream_subject: str
+    # Derived: ss.stream.{tenant}.{request_id} (default) or, for an async job, ss.result.{tenant}.{request_id}.
+    stream_subject: str = Field(default="", max_length=200)
     created_ms: float = Field(default_factory=now_ms)
     deadline_ms: float | None = None  # absolute unix ms; the request expires after it
     priority: int = Field(default=0, ge=0, le=9)  # 0 = most urgent class within the tenant
@@ -186,6 +203,10 @@ class GenerateRequest(Message):
     # is their result subject).
     stream: bool = True
     model: str | None = Field(default=None, max_length=256)  # the model the caller named (informational)
+    # The caller's own prefix-cache salt (OpenAI / vLLM ``cache_salt``; added in v1 with a default). It only
+    # splits the tenant's cache further: the router combines it with the tenant's (or its cache group's) salt,
+    # so it can never reach another tenant's cached prefixes (``TenantsConfig.cache_salt``).
+    cache_salt: str | None = Field(default=None, max_length=256)
 
     @field_validator("request_id")
     @classmethod
@@ -206,6 +227,7 @@ class GenerateRequest(Message):
             raise ValueError("messages must not be empty")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
+        self.stream_subject = _own_reply_subject(self.stream_subject, self.tenant, self.request_id)
         return self
 
 
@@ -230,7 +252,7 @@ class DecodeJob(Message):
     tenant: str
     prompt_token_ids: TokenIds
     sampling: SamplingParams
-    stream_subject: str
+    stream_subject: str = Field(default="", max_length=200)  # derived and checked as GenerateRequest's
     route: Route
     decoder_id: str
     prefill_worker: str | None = None
@@ -248,6 +270,17 @@ class DecodeJob(Message):
     resume_token_ids: TokenIds = Field(default_factory=list)
     resume_text: str = ""
     start_seq: int = Field(default=0, ge=0)
+    # The router-computed salt that keys this request's prefix-cache blocks on the workers and in their KV events
+    # (tenant or cache group, refined by the request's own salt). Added in v1 with a default: None (a job from
+    # an older router) keeps the unsalted keys.
+    cache_salt: str | None = Field(default=None, max_length=200)
+
+    @model_validator(mode="after")
+    def _own_subject(self) -> DecodeJob:
+        check_token(self.tenant, "tenant")
+        check_token(self.request_id, "request id")
+        self.stream_subject = _own_reply_subject(self.stream_subject, self.tenant, self.request_id)
+        return self
 
     def context_token_ids(self) -> list[int]:
         """What the KV must cover: the prompt, then the tokens a previous attempt already produced."""
@@ -415,6 +448,10 @@ class CancelRequest(Message):
     """Stop a request wherever it is (queued, prefilling, decoding) and free its KV and reservations; the
     caller then gets a StreamFinal with finish_reason "cancelled" (what was generated so far, and usage)."""
 
+    # A cancel names a request and a reason: tiny. Every router, prefiller and decoder decodes every tenant's cancels
+    # on its event loop, so a larger one is refused unread (a tenant's multi-MB cancels stalled the workers' loops
+    # for seconds: they missed heartbeats and other tenants' requests were moved as if their worker had died).
+    MAX_BYTES: ClassVar[int] = 64 * 1024
     kind: Literal["cancel_request"] = "cancel_request"
     request_id: str
     tenant: str
@@ -614,7 +651,7 @@ class RequestRecord(Message):
     request_id: str
     tenant: str
     state: Literal["queued", "dispatched", "ended"]
-    stream_subject: str
+    stream_subject: str = Field(default="", max_length=200)  # derived and checked as GenerateRequest's
     prompt_tokens: int = 0
     max_tokens: int = 0
     accepted_ms: float = Field(default_factory=now_ms)
@@ -625,6 +662,13 @@ class RequestRecord(Message):
     status: str | None = None  # when ended: ok | error | cancelled | expired
     used_tokens: int | None = None  # when ended: prompt + completion tokens it used (None: it never ran)
     updated_ms: float = Field(default_factory=now_ms)
+
+    @model_validator(mode="after")
+    def _own_subject(self) -> RequestRecord:
+        check_token(self.tenant, "tenant")
+        check_token(self.request_id, "request id")
+        self.stream_subject = _own_reply_subject(self.stream_subject, self.tenant, self.request_id)
+        return self
 
 
 class TenantUsage(Message):

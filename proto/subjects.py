@@ -48,6 +48,43 @@ def check_token(value: str, what: str) -> str:
     return value
 
 
+# Where the tenant (and the request id) stand in every tenant-scoped subject. These are the tokens nats-server's
+# per-tenant permissions bind to a tenant's credentials, so they are the only trustworthy statement of who sent
+# a message: a body's ``tenant`` field is whatever the sender wrote.
+_SCOPED: dict[tuple[str, ...], tuple[int, int | None, int]] = {  # prefix -> (tenant pos, request pos, length)
+    ("ss", "req"): (2, None, 3),
+    ("ss", "cancel"): (2, None, 3),
+    ("ss", "stream"): (2, 3, 4),
+    ("ss", "result"): (2, 3, 4),
+    ("ss", "q"): (2, None, 4),
+    ("ss", "evt", "finished"): (3, 4, 5),
+    ("ss", "evt", "bounced"): (3, 4, 5),
+}
+
+
+def subject_identity(subject: str) -> tuple[str, str | None]:
+    """The (tenant, request id or None) a tenant-scoped subject names, e.g. ``ss.req.T`` -> ``("T", None)``,
+    ``ss.evt.finished.T.R`` -> ``("T", "R")``. ValueError for a subject that names no tenant."""
+    parts = subject.split(".")
+    for prefix, (t_pos, r_pos, length) in _SCOPED.items():
+        if len(parts) == length and tuple(parts[: len(prefix)]) == prefix:
+            tenant = check_token(parts[t_pos], "tenant")
+            return tenant, (check_token(parts[r_pos], "request id") if r_pos is not None else None)
+    raise ValueError(f"subject {subject!r} names no tenant")
+
+
+def request_key(tenant: str, request_id: str) -> str:
+    """One string naming a request across tenants (``tenant.request``: neither token holds a dot), for the maps
+    a service keys by request: a request id alone is only unique within its tenant."""
+    return f"{tenant}.{request_id}"
+
+
+def reply_subjects(tenant: str, request_id: str) -> tuple[str, str]:
+    """The only subjects a request's stream may be delivered on: its live stream and its stored result. A
+    message naming any other subject is refused when it is decoded (services never publish where a body says)."""
+    return Subjects.stream(tenant, request_id), Subjects.result(tenant, request_id)
+
+
 class Subjects:
     PREFIX = "ss"
     ROUTER_QUEUE = "routers"

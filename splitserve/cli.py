@@ -194,6 +194,7 @@ def up(
         typer.echo(f"\nsplitserve is up. NATS: {stack.nats_url}\n"
                    f"  OpenAI API: {stack.http_url}/v1\n"
                    f"  console:    {stack.http_url}/console/\n"
+                   f"  metrics:    {stack.metrics_url} (loopback only)\n"
                    f"  try:  splitserve generate --chat \"What is the capital of France?\"\n"
                    f"  stop: Ctrl-C")
 

@@ -399,8 +399,10 @@ class Client:
         ``temperature``, ``top_p``, ``seed``, ``stop``, ``ignore_eos`` (always generate ``max_tokens``: load
         tests), ``min_tokens``, ``logprobs`` (k: each token's log-probability and the k most likely),
         ``session_id``, ``request_id``, ``timeout`` (a
-        deadline in seconds), ``priority``, ``route``, and ``tenant`` (overrides the client's own for this
-        request: a gateway serving many tenants over one connection)."""
+        deadline in seconds), ``priority``, ``route``, ``cache_salt`` (splits the tenant's prefix cache further:
+        requests reuse each other's cached prefixes only with the same salt; it never reaches another tenant's),
+        and ``tenant`` (overrides the client's own for this request: a gateway serving many tenants over one
+        connection)."""
         return Generation(self, self._build(prompt, **kw))
 
     async def submit(self, prompt: str | Sequence[dict[str, str]] | Sequence[int], **kw: Any) -> str:
@@ -553,6 +555,7 @@ class Client:
         tenant: str | None = None,
         async_job: bool = False,
         model: str | None = None,
+        cache_salt: str | None = None,
     ) -> GenerateRequest:
         rid = request_id or uuid.uuid4().hex
         tenant = self.tenant if tenant is None else tenant
@@ -575,7 +578,7 @@ class Client:
                 session_id=session_id,
                 stream_subject=(proto.Subjects.result if async_job else proto.Subjects.stream)(tenant, rid),
                 deadline_ms=None if timeout is None else proto.now_ms() + timeout * 1000, priority=priority,
-                route=route, stream=not async_job, model=model, **fields,
+                route=route, stream=not async_job, model=model, cache_salt=cache_salt, **fields,
             )
         except ValueError as exc:
             raise errors.BadRequest(str(exc), request_id=rid) from None

@@ -70,6 +70,13 @@ class NotAuthorized(SplitserveError):
     code = ErrorCode.UNKNOWN_TENANT
 
 
+class Forbidden(SplitserveError):
+    """The message claimed a tenant other than the one its connection is authorised for, or acted on a request
+    of another tenant. Not retryable."""
+
+    code = ErrorCode.FORBIDDEN
+
+
 _BY_CODE: dict[ErrorCode, type[SplitserveError]] = {
     ErrorCode.BAD_REQUEST: BadRequest,
     ErrorCode.UNSUPPORTED_VERSION: BadRequest,
@@ -81,6 +88,7 @@ _BY_CODE: dict[ErrorCode, type[SplitserveError]] = {
     ErrorCode.EXPIRED: Timeout,
     ErrorCode.CANCELLED: Cancelled,
     ErrorCode.QUOTA_EXCEEDED: QuotaExceeded,
+    ErrorCode.FORBIDDEN: Forbidden,
 }
 
 

@@ -1,9 +1,11 @@
 """``splitserve k8s``: what the Kubernetes deployment (deploy/k8s) needs that kustomize cannot write itself.
 
 - ``secrets``: the Secrets of a deployment with a tenants file: nats-server's ``authorization`` block, one NATS
-  user per service role, the tenants file for the routers and front doors, and one Secret per tenant with its
-  credentials. Made by the code behind ``splitserve up --tenants`` (:mod:`splitserve.tenancy.natsauth`), with
-  the generated passwords kept in a state directory (mode 0600) so that a re-run prints the same ones.
+  user per service role (each with that role's least-privilege permissions, mounted only by that role's pods),
+  the tenants file without NATS credentials for the routers (limits) and the front doors (limits and API keys),
+  and one Secret per tenant with its credentials. Made by the code behind ``splitserve up --tenants``
+  (:mod:`splitserve.tenancy.natsauth`), with the generated passwords kept in a state directory (mode 0600) so
+  that a re-run prints the same ones.
 - ``autoscale``: KEDA ScaledObjects for the prefill and decode pools. The request queue has one durable
   consumer per (tenant, priority class), so the JetStream triggers are generated from the tenants file; the
   Prometheus triggers read the front door's ``/metrics`` gauges (decoder KV occupancy, decode concurrency,
@@ -43,8 +45,12 @@ PART_OF = "splitserve"
 LABELS = {"app.kubernetes.io/part-of": PART_OF}
 AUTH_SECRET = "splitserve-nats-auth"
 AUTH_KEY = "auth.conf"
-TENANTS_SECRET = "splitserve-tenants"
+TENANTS_SECRET = "splitserve-tenants"  # the routers' tenants file: limits only
+FRONTEND_TENANTS_SECRET = "splitserve-tenants-frontend"  # the front doors': limits and API keys
 TENANTS_KEY = "tenants.yaml"
+# What a tenants file holds that no service needs: the tenants' own NATS credentials (services log in as their
+# role). The API keys only the front door needs (it maps a bearer key to its tenant).
+_NATS_CREDENTIALS = ("password", "nkey")
 TENANT_ANNOTATION = "splitserve.io/tenant"
 NATS_REPLICAS = 3  # deploy/k8s/base/nats.yaml
 KEDA_API = "keda.sh/v1alpha1"
@@ -82,12 +88,37 @@ def _secret(name: str, namespace: str, data: dict[str, str], *, labels: dict[str
     return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque", "stringData": data}
 
 
+def service_tenants_file(tenants_text: str, *, api_keys: bool) -> str:
+    """The tenants file as a service mounts it: without the tenants' NATS passwords and nkeys (no service logs
+    in as a tenant), and without the API keys unless ``api_keys`` (the front door's). A pod that leaks its files
+    then leaks no tenant's credentials it did not need."""
+    data = yaml.safe_load(tenants_text) or {}
+    if not isinstance(data, dict):
+        raise ValueError("the tenants file is not a mapping")
+    drop = _NATS_CREDENTIALS if api_keys else (*_NATS_CREDENTIALS, "api_keys")
+    for spec in (data.get("tenants") or {}).values():
+        if isinstance(spec, dict):
+            for key in drop:
+                spec.pop(key, None)
+    what = "limits and API keys" if api_keys else "limits"
+    text = (f"# The tenants file for splitserve's {'front doors' if api_keys else 'routers'}: {what} only (made by "
+            "`splitserve k8s secrets`).\n" + yaml.safe_dump(data, sort_keys=False, default_flow_style=False))
+    TenantsConfig.model_validate(yaml.safe_load(text) or {})  # still a valid tenants file
+    return text
+
+
 def secret_manifests(tenants: TenantsConfig, auth: StackAuth, tenants_text: str, *,
                      namespace: str = "splitserve") -> list[dict[str, Any]]:
-    """Every Secret deploy/k8s refers to, plus one per tenant (what a tenant's own workloads mount)."""
+    """Every Secret deploy/k8s refers to, plus one per tenant (what a tenant's own workloads mount). Each
+    workload mounts only its own: ``nats`` the auth block, each service its role's user (``admin``'s is for
+    the operator, mounted by none), the routers the tenants' limits, the front doors limits and API keys."""
     out = [_secret(AUTH_SECRET, namespace, {AUTH_KEY: auth.config},
                    labels={"app.kubernetes.io/name": "nats"}),
-           _secret(TENANTS_SECRET, namespace, {TENANTS_KEY: tenants_text})]
+           _secret(TENANTS_SECRET, namespace, {TENANTS_KEY: service_tenants_file(tenants_text, api_keys=False)},
+                   labels={"splitserve.io/role": "router"}),
+           _secret(FRONTEND_TENANTS_SECRET, namespace,
+                   {TENANTS_KEY: service_tenants_file(tenants_text, api_keys=True)},
+                   labels={"splitserve.io/role": "frontend"})]
     for role in natsauth.SERVICE_ROLES:
         user, password = auth.credentials(role)
         out.append(_secret(role_secret_name(role), namespace, {"user": user, "password": password},
@@ -294,10 +325,14 @@ async def ensure_lanes(nats_url: str, tenants: TenantsConfig, *, ack_wait_s: flo
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            bus = await Bus.connect(nats_url, "k8s-lanes", user=os.environ.get(natsauth.ENV_USER) or None,
+            user = os.environ.get(natsauth.ENV_USER) or None
+            # With the router's credentials (its init container), replies come back on the router's inbox:
+            # the only one that user may subscribe to.
+            inbox = natsauth.service_inbox("router") if user == natsauth.service_user("router") else None
+            bus = await Bus.connect(nats_url, "k8s-lanes", user=user,
                                     password=os.environ.get(natsauth.ENV_PASSWORD) or None,
                                     nkey_seed=os.environ.get(natsauth.ENV_NKEY_SEED) or None,
-                                    connect_timeout=2.0)  # this loop is the retry
+                                    inbox_prefix=inbox, connect_timeout=2.0)  # this loop is the retry
             try:
                 wq = WorkQueue(bus, ack_wait_s=ack_wait_s)
                 await wq.setup()

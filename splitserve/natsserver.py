@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.obs.log import private_dir, private_opener
+
 DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
 
 
@@ -162,7 +164,8 @@ def start_nats(state_dir: Path, *, port: int | None = None, max_payload: int = D
             monitor_port = free_port()
     conf = write_config(state_dir / "nats.conf", port=port, store_dir=state_dir / "jetstream",
                         max_payload=max_payload, extra=extra_config, monitor_port=monitor_port)
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
+    # owner-only: the server's log names users and subjects
+    out = open(log_file, "ab", opener=private_opener) if log_file else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=out, stderr=subprocess.STDOUT,
                             preexec_fn=child_preexec)
     deadline = time.monotonic() + timeout
@@ -235,7 +238,7 @@ def start_nats_cluster(state_dir: Path, nodes: int = 3, *, ports: list[int] | No
     that may call the JetStream API, where ``extra_config`` requires authentication."""
     state_dir.mkdir(parents=True, exist_ok=True)
     if log_dir is not None:
-        log_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(log_dir)
     client_ports: list[int] = []
     for i in range(nodes):
         want = ports[i] if ports and i < len(ports) else None
@@ -260,7 +263,8 @@ def start_nats_cluster(state_dir: Path, nodes: int = 3, *, ports: list[int] | No
                                 max_payload=max_payload, extra=extra_config, server_name=name,
                                 cluster=cluster_block(route_ports[i], route_ports),
                                 monitor_port=monitor_ports[i])
-            out = open(log_dir / f"nats-{name}.log", "ab") if log_dir else subprocess.DEVNULL  # noqa: SIM115
+            out = (open(log_dir / f"nats-{name}.log", "ab", opener=private_opener)  # noqa: SIM115
+                   if log_dir else subprocess.DEVNULL)
             proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=out,
                                     stderr=subprocess.STDOUT, preexec_fn=child_preexec)
             servers.append(NatsServer(proc=proc, url=f"nats://127.0.0.1:{client_ports[i]}",

@@ -29,7 +29,7 @@ from proto import Heartbeat, Subjects
 from splitserve import discovery
 from splitserve.cpus import parse_cpus
 from splitserve.natsserver import NatsCluster, NatsServer, child_preexec, free_port, start_nats, start_nats_cluster
-from splitserve.obs.log import QUIET_ENV
+from splitserve.obs.log import QUIET_ENV, private_dir, private_opener
 from splitserve.runtime.bus import Bus
 from splitserve.runtime.jetstream import CLUSTER_REPLICAS, ENV_REPLICAS
 from splitserve.tenancy import consolekey, natsauth
@@ -106,6 +106,7 @@ class Stack:
         self.nats_cluster: NatsCluster | None = None
         self.nats_url = cfg.nats_url or ""
         self.http_url = ""
+        self.metrics_url = ""  # the front door's /metrics (its own port, loopback: it names every tenant)
         self.children: list[Child] = []
         self.stopping = asyncio.Event()
         self.logs = cfg.state_dir / "logs"
@@ -184,8 +185,11 @@ class Stack:
         shown = "127.0.0.1" if c.http_host in ("0.0.0.0", "") else \
             "[::1]" if c.http_host == "::" else f"[{c.http_host}]" if ":" in c.http_host else c.http_host
         self.http_url = f"http://{shown}:{port}"
+        metrics_port = free_port(host="127.0.0.1")
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         out.append(Child("frontend-0", "frontend", py + ["services.frontend", "--worker-id", "frontend-0",
                                                         "--host", c.http_host, "--port", str(port), *tenants,
+                                                        "--metrics-port", str(metrics_port),
                                                         *common],
                          self.logs / "frontend-0.log"))
         if c.engine == "vllm":
@@ -219,7 +223,7 @@ class Stack:
         return pools
 
     def _spawn(self, ch: Child) -> None:
-        ch.log.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(ch.log.parent)
         # the child's output reaches its log through log_pump (every line JSON)
         # JSON logs only: progress bars off and library verbosity routed through logging from the start
         env = {**QUIET_ENV, **os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
@@ -248,7 +252,9 @@ class Stack:
 
     async def run(self, on_ready: Callable[[Stack], None] | None = None) -> int:
         c = self.cfg
-        self.logs.mkdir(parents=True, exist_ok=True)
+        # Owner-only, also when left by an older version: logs hold tenants' names, request ids, errors.
+        private_dir(c.state_dir)
+        private_dir(self.logs)
         auth_conf = ""
         if c.tenants_file is not None:
             self.auth = natsauth.prepare_stack_auth(c.state_dir, load_tenants(c.tenants_file))
@@ -308,7 +314,7 @@ class Stack:
             discovery.write_stack({"pid": os.getpid(), "nats_url": self.nats_url,
                                    "nats_urls": discovery.server_list(self.nats_url), "state_dir": str(c.state_dir),
                                    "auth": self.auth is not None, "services": [ch.name for ch in self.children],
-                                   "http_url": self.http_url})
+                                   "http_url": self.http_url, "metrics_url": self.metrics_url})
             if on_ready:
                 on_ready(self)
             await self._supervise()
@@ -399,7 +405,7 @@ def log_pump(src: IO[bytes], log: Path, service: str) -> None:
     """Copy a child's output into its log, one JSON object per line. The services log JSON themselves (Python
     logging included); what a native library writes straight to the file descriptor (a C++ extension's leak
     report at exit, UCX, a fatal signal's dump) is wrapped here, so every line of every log parses."""
-    with open(log, "ab", buffering=0) as out:
+    with open(log, "ab", buffering=0, opener=private_opener) as out:
         for raw in iter(src.readline, b""):
             out.write(json_line(raw, service))
 

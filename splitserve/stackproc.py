@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import proto
+from splitserve.obs.log import private_dir, private_opener
 
 
 def spawn_service(module: str, *args: str, nats_url: str, worker_id: str, log_dir: Path,
                   env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """One service process (``module`` e.g. "services.router"), its output appended to log_dir/<id>.log."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    out = open(log_dir / f"{worker_id}.log", "ab")  # noqa: SIM115 - handed to the child
+    private_dir(log_dir)  # logs are owner-only (0700 directory, 0600 files): see splitserve.obs.log
+    out = open(log_dir / f"{worker_id}.log", "ab", opener=private_opener)  # noqa: SIM115 - handed to the child
     env = dict(env if env is not None else os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     return subprocess.Popen([sys.executable, "-m", module, "--nats-url", nats_url, "--worker-id", worker_id, *args],
                             stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -66,6 +67,7 @@ class StackProc:
     state_dir: Path
     output: list[str] = field(default_factory=list)
     http_url: str | None = None  # the OpenAI-compatible front door, e.g. http://127.0.0.1:8000 (no /v1)
+    metrics_url: str | None = None  # the front door's /metrics, on its own loopback port
 
     def logs(self, name: str) -> str:
         try:
@@ -106,6 +108,7 @@ def start_stack(state_dir: Path, *args: str, timeout: float = 420.0, exe: str | 
     seen: list[str] = []
     url = None
     http_url = None
+    metrics_url = None
     up = False
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -122,9 +125,12 @@ def start_stack(state_dir: Path, *args: str, timeout: float = 420.0, exe: str | 
         m = re.search(r"OpenAI API: (http://\S+?)(?:/v1)?$", line)
         if m:
             http_url = m.group(1)
+        m = re.search(r"metrics: +(http://\S+/metrics)", line)
+        if m:
+            metrics_url = m.group(1)
         up = up or bool("splitserve is up" in line and url)
         # The API line follows the "up" line; the block always ends with "stop:".
-        if up and url and (http_url or "stop:" in line):
-            return StackProc(proc, url, state_dir, seen, http_url=http_url)
+        if up and url and "stop:" in line:  # the block's last line: every URL above it has been read
+            return StackProc(proc, url, state_dir, seen, http_url=http_url, metrics_url=metrics_url)
     proc.kill()
     raise RuntimeError("splitserve up did not come up:\n" + "\n".join(seen))

@@ -12,6 +12,11 @@ algorithm or ``PYTHONHASHSEED``; it only needs the engine block size to be a mul
 
 The translated events go out as sequenced :class:`proto.KvEventBatch` on ``ss.kv.{worker}`` (seq 0 is an
 ``AllBlocksCleared``), and ``ss.kv.{worker}.held`` answers an index resync from the bridge's own map.
+
+Cache salts: the workers hand vLLM each request's tenant salt (``cache_salt`` on the prompt), which vLLM mixes
+into the first block's hash and publishes in that block's ``extra_keys``. The bridge roots a re-keyed chain at
+the same salt (``hash_token_blocks(..., cache_salt=...)``), so the router's index matches a tenant's prompt
+only against blocks stored under that tenant's salt, as with the hf engine's own store.
 """
 
 from __future__ import annotations
@@ -30,6 +35,24 @@ from splitserve.runtime.bus import Bus
 log = logging.getLogger(__name__)
 
 END_SEQ = -1
+
+
+def _first_block_salt(ev: Any) -> str | None:
+    """The ``cache_salt`` vLLM hashed into a chain's first block, from the event's per-block ``extra_keys``.
+
+    vLLM publishes them untagged, in order: the LoRA name (a str, only when ``lora_name`` is set), multimodal
+    ``(identifier, offset)`` pairs, the cache salt (a str, first block only), prompt-embeds digests (bytes).
+    So the salt is the first string after the LoRA name. None when the request had no salt (or the vLLM
+    build publishes no extra keys), which keys the chain as an unsalted prompt.
+    """
+    keys = getattr(ev, "extra_keys", None)
+    first = keys[0] if keys else None
+    if not first:
+        return None
+    strings = [k for k in first if isinstance(k, str)]
+    if getattr(ev, "lora_name", None) is not None and strings:
+        strings = strings[1:]
+    return strings[0] if strings else None
 
 
 class VllmKvBridge:
@@ -154,7 +177,9 @@ class VllmKvBridge:
                         log.warning("vllm_kv_unknown_parent blocks=%s", len(ev.block_hashes))
                         continue
                     parent = known[1][-1]
-                ours = hash_token_blocks(tokens, rb, parent=parent)
+                    ours = hash_token_blocks(tokens, rb, parent=parent)
+                else:  # a chain's first block: its hash is rooted at the request's salt, as the router's
+                    ours = hash_token_blocks(tokens, rb, cache_salt=_first_block_salt(ev))
                 size = ev.block_size or self.engine_block_size
                 per = size // rb
                 if len(ours) != per * len(ev.block_hashes):

@@ -30,6 +30,7 @@ import torch
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
+import proto
 from proto import (
     CancelRequest,
     DecodeJob,
@@ -145,7 +146,9 @@ class DecodeService(Service):
         self.pending: deque[Admission] = deque()
         self.active: dict[str, Sequence] = {}
         self.reservations: dict[str, Reservation] = {}
-        self.cancelled: dict[str, None] = {}  # recently cancelled request ids, insertion-ordered, bounded
+        # Recently cancelled requests (``proto.request_key``: a cancel names its tenant's request only),
+        # insertion-ordered, bounded.
+        self.cancelled: dict[str, None] = {}
         self.revoked: dict[str, int] = {}  # request id -> highest attempt revoked here (bounded, insertion-ordered)
         self._loop_task: asyncio.Task[None] | None = None
         self.admitting: str | None = None  # the request being admitted (prefilled) now: held, though in no list
@@ -178,7 +181,7 @@ class DecodeService(Service):
         await b.subscribe(Subjects.decode_job(self.worker_id), DecodeJob, self.on_job)
         await b.subscribe(Subjects.kv_reserve(self.worker_id), KvReserveRequest, self.on_reserve)
         await b.subscribe(Subjects.kv_ready(self.worker_id), PrefillDone, self.on_kv_ready, concurrent=True)
-        await b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel)
+        await b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel, scoped=True)
         await b.subscribe(Subjects.revoke(self.worker_id), RevokeJob, self.on_revoke)
         if self.kv_events is not None:
             await self.kv_events.start()
@@ -326,7 +329,7 @@ class DecodeService(Service):
 
     async def on_cancel(self, c: CancelRequest, _: Msg) -> None:
         rid = c.request_id
-        self.cancelled[rid] = None  # remembered: its KV may still be on its way from a prefiller
+        self.cancelled[proto.request_key(c.tenant, rid)] = None  # remembered: its KV may still be on its way
         while len(self.cancelled) > 4096:
             self.cancelled.pop(next(iter(self.cancelled)))
         seq = self.active.get(rid)
@@ -361,7 +364,7 @@ class DecodeService(Service):
                     await self.receiver.wait(res.transfer_id, timeout=10.0)
                 self.pool.free(res.block_ids)
             return
-        if res is not None and done.request_id in self.cancelled:
+        if res is not None and proto.request_key(done.decode.tenant, done.request_id) in self.cancelled:
             # Cancelled while prefilling: the push is complete, so its landing blocks can be reused safely.
             with contextlib.suppress(Exception):
                 await self.receiver.wait(res.transfer_id, timeout=10.0)
@@ -452,7 +455,7 @@ class DecodeService(Service):
             # adding it again would fail the whole batch.
             self.log.warning("duplicate_job_ignored", request_id=job.request_id, attempt=job.attempt)
             return
-        if job.request_id in self.cancelled:
+        if proto.request_key(job.tenant, job.request_id) in self.cancelled:
             await self._finish_unstarted(job, "cancelled")
             return
         if job.deadline_ms is not None and now_ms() > job.deadline_ms:
@@ -471,7 +474,7 @@ class DecodeService(Service):
             if kv is None:
                 t0 = time.perf_counter()
                 try:
-                    res = await self._local_prefill(context, sampling)
+                    res = await self._local_prefill(context, sampling, job.cache_salt)
                 except PromptTooLong as exc:
                     await self._error(job, ErrorCode.PROMPT_TOO_LONG, str(exc))
                     return
@@ -514,13 +517,14 @@ class DecodeService(Service):
         self.active[job.request_id] = seq
         await self._emit(seq, first, first_lp)
 
-    async def _local_prefill(self, ids: list[int], sampling: Sampling) -> PrefillResult:
+    async def _local_prefill(self, ids: list[int], sampling: Sampling, cache_salt: str | None = None) -> PrefillResult:
         """Prefill on this decoder, reusing the longest cached prefix. While other streams are active, a
         long prompt is computed in chunks with one decode step between chunks, so no stream waits more
-        than one chunk (the router's stall rule sends prompts that would stall too long to a prefiller)."""
+        than one chunk (the router's stall rule sends prompts that would stall too long to a prefiller).
+        ``cache_salt`` (the job's, from the router) scopes the prefix lookup to the request's tenant / group."""
         past, cached = None, 0
         if self.store is not None:
-            m = await self.thread.run(self.store.match, ids)
+            m = await self.thread.run(self.store.match, ids, cache_salt=cache_salt)
             if m.num_tokens:
                 past, cached = m.kv, m.num_tokens
         pos, compute_s, chunks = cached, 0.0, 0
@@ -546,11 +550,12 @@ class DecodeService(Service):
         return PrefillResult(first_token=res.first_token, kv=res.kv, num_computed_tokens=computed,
                              first_logprobs=res.first_logprobs)
 
-    def _retire(self, request_id: str, tokens: list[int], keep: bool) -> None:
-        """Engine thread: drop a sequence, keeping its KV as reusable prefix blocks when it ended well."""
+    def _retire(self, request_id: str, tokens: list[int], keep: bool, cache_salt: str | None = None) -> None:
+        """Engine thread: drop a sequence, keeping its KV as reusable prefix blocks when it ended well, keyed
+        by its job's cache salt (so only its own tenant / cache group can hit them)."""
         kv = self.engine.remove_sequence(request_id, keep_kv=keep and self.store is not None)
         if kv is not None and self.store is not None:
-            self.store.insert(tokens[: kv.shape[3]], kv)
+            self.store.insert(tokens[: kv.shape[3]], kv, cache_salt=cache_salt)
 
     def _max_new(self, job: DecodeJob) -> int:
         # Cap at the model's context: one sequence at the limit would stop the whole batch (ContextFull). A
@@ -656,12 +661,13 @@ class DecodeService(Service):
                           total_ms=round(seq.timings.total_ms or 0, 1))
 
     async def _drop(self, request_id: str, tokens: list[int] | None = None) -> None:
-        if self.active.pop(request_id, None) is not None:
+        seq = self.active.pop(request_id, None)
+        if seq is not None:
             # Copying a long sequence's KV into the prefix cache pauses every other stream for that long (a
             # 3,000-token sequence: ~80 ms, most of a decode step); with streams active, skip it. The prompt's
             # prefix stays cached where it was prefilled.
             keep = tokens is not None and (not self.active or len(tokens) <= self.max_retire_copy_tokens)
-            await self.thread.run(self._retire, request_id, tokens or [], keep)
+            await self.thread.run(self._retire, request_id, tokens or [], keep, seq.job.cache_salt)
             if self.kv_events is not None:
                 await self.kv_events.flush()
 

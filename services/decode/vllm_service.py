@@ -17,6 +17,7 @@ from typing import Any
 import structlog
 from nats.aio.msg import Msg
 
+import proto
 from proto import (
     CancelRequest,
     DecodeJob,
@@ -71,7 +72,7 @@ class VllmDecodeService(DecodeService):
         await b.subscribe(Subjects.decode_job(self.worker_id), DecodeJob, self.on_job)
         await b.subscribe(Subjects.kv_reserve(self.worker_id), KvReserveRequest, self.on_reserve)
         await b.subscribe(Subjects.kv_ready(self.worker_id), PrefillDone, self.on_kv_ready, concurrent=True)
-        await b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel)
+        await b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel, scoped=True)
         if self.bridge is not None:
             await self.bridge.start()
 
@@ -138,7 +139,7 @@ class VllmDecodeService(DecodeService):
         self._start(done.decode, dict(msg.headers or {}), params, done)
 
     async def on_cancel(self, c: CancelRequest, _: Msg) -> None:
-        self.cancelled[c.request_id] = None
+        self.cancelled[proto.request_key(c.tenant, c.request_id)] = None
         while len(self.cancelled) > 4096:
             self.cancelled.pop(next(iter(self.cancelled)))
         seq = self.active.get(c.request_id)
@@ -162,7 +163,7 @@ class VllmDecodeService(DecodeService):
     async def _serve(self, job: DecodeJob, headers: dict[str, str], params: dict[str, Any] | None,
                      done: PrefillDone | None) -> None:
         rid = job.request_id
-        if rid in self.cancelled:
+        if proto.request_key(job.tenant, rid) in self.cancelled:
             await self._finish_unstarted(job, "cancelled")
             return
         if job.deadline_ms is not None and now_ms() > job.deadline_ms:
@@ -185,7 +186,8 @@ class VllmDecodeService(DecodeService):
             # and finds the pushed KV by its token hash
             given, params = done.first_token, None
             ids.append(given)
-        req = GenRequest(rid, ids, sampling, max(1, max_new - (given is not None)), tuple(eos), params)
+        req = GenRequest(rid, ids, sampling, max(1, max_new - (given is not None)), tuple(eos), params,
+                         job.cache_salt)
         first = True
         if given is not None:
             self.active[rid] = seq

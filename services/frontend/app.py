@@ -16,9 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import hmac
 import json
+import re
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from json.encoder import encode_basestring
 from pathlib import Path
@@ -34,8 +37,10 @@ from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_fastapi_instrumentator import Instrumentator
 from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proto import ErrorCode
@@ -55,6 +60,19 @@ SESSION_HEADER = "X-Session-Id"  # the session key for sticky routing (else the 
 PROBE_PATHS = frozenset({"/healthz", "/health", "/readyz", "/metrics"})
 # Far above any prompt NATS can carry (max_payload 8 MiB): only stops a body from filling this process's memory.
 MAX_BODY_BYTES = 32 * 1024 * 1024
+# A body must arrive within this (a slow-body sender holds a task and a connection while it trickles).
+BODY_TIMEOUT_S = 60.0
+# Caller-chosen ids travel on as NATS subject tokens and log fields: bounded, never echoed when invalid.
+MAX_REQUEST_ID_CHARS = 128
+MAX_SESSION_ID_CHARS = 256  # the wire's own bound on GenerateRequest.session_id
+# Shorter keys are guessable; the error names the tenant, never the key.
+MIN_API_KEY_CHARS = 16
+# Failed-key throttling: this many failures from one address within the window, then 429 until it ends.
+AUTH_FAILURES_ALLOWED = 10
+AUTH_FAILURE_WINDOW_S = 60.0
+AUTH_TRACKED_ADDRESSES = 10_000  # LRU bound on the addresses remembered (memory stays bounded under a flood)
+# Concurrent generation requests one API key may have in flight on this front door (0 = no limit).
+PER_KEY_CONCURRENCY = 64
 # Used when no decode worker has announced its context length yet; decoders cap at the real one anyway.
 FALLBACK_MAX_TOKENS = 4096
 
@@ -110,42 +128,171 @@ def load_api_keys(path: Path) -> dict[str, str]:
     for key, tenant in data.items():
         if not isinstance(key, str) or not key or not isinstance(tenant, str):
             raise ValueError(f"{path}: every entry must map a non-empty string key to a tenant name")
-        keys[key] = check_token(tenant, "tenant")
+        tenant = check_token(tenant, "tenant")
+        # The message names the tenant and never the key: it ends up in terminals and logs.
+        if len(key) < MIN_API_KEY_CHARS:
+            raise ValueError(f"{path}: an API key of tenant {tenant!r} is shorter than {MIN_API_KEY_CHARS} "
+                             "characters (use e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+        if not is_key_text(key):
+            raise ValueError(f"{path}: an API key of tenant {tenant!r} has whitespace or control characters "
+                             "(a key is compared exactly, so such a key could never be sent)")
+        keys[key] = tenant
     return keys
 
 
+def is_key_text(key: str) -> bool:
+    """Visible ASCII only: what an ``Authorization: Bearer`` value can carry without any re-encoding."""
+    return bool(key) and all("!" <= ch <= "~" for ch in key)
+
+
+def bearer_key(values: list[str]) -> str | None:
+    """The key of exactly one ``Authorization: Bearer KEY`` header, read strictly: one space after the scheme
+    and a key of visible ASCII only. Anything else (several headers, other schemes, a key with a trailing
+    newline, tab or other whitespace) is no key at all, so that a key is only ever compared exactly."""
+    if len(values) != 1:
+        return None
+    scheme, sep, key = values[0].partition(" ")
+    if sep != " " or scheme.lower() != "bearer" or not is_key_text(key):
+        return None
+    return key
+
+
 class Authenticator:
-    """Bearer-key auth. Keys are held only as SHA-256 digests, so a lookup's timing says nothing useful about
-    how close a guess was."""
+    """Bearer-key auth. Keys are held only as SHA-256 digests, and a candidate is compared with every one of
+    them in constant time (``hmac.compare_digest``, no early exit), so a lookup's timing says nothing about
+    how close a guess was nor which key it matched."""
 
     def __init__(self, keys: dict[str, str] | None) -> None:
-        self._by_digest = None if keys is None else {self._digest(k): t for k, t in keys.items()}
+        self._keys = None if keys is None else [(self._digest(k), t) for k, t in keys.items()]
+
+    @property
+    def open(self) -> bool:
+        """No keys configured: every caller is tenant 'default'."""
+        return self._keys is None
 
     @staticmethod
     def _digest(key: str) -> bytes:
         return hashlib.sha256(key.encode()).digest()
 
-    def tenant(self, authorization: str | None) -> str:
-        if self._by_digest is None:
-            return "default"
-        scheme, _, key = (authorization or "").partition(" ")
-        tenant = self._by_digest.get(self._digest(key.strip())) if scheme.lower() == "bearer" else None
-        if tenant is None:
+    def authenticate(self, authorization: list[str]) -> tuple[str, bytes]:
+        """(tenant, key id) for the request's Authorization headers; raises the 401 ApiError otherwise. The
+        key id (its digest) is what per-key limits count by."""
+        if self._keys is None:
+            return "default", b""
+        key = bearer_key(authorization)
+        if key is None:
             raise oa.invalid_api_key()
-        return tenant
+        digest = self._digest(key)
+        found: tuple[str, bytes] | None = None
+        for known, tenant in self._keys:  # all of them, whatever matched: constant time over the key set
+            if hmac.compare_digest(digest, known):
+                found = (tenant, known)
+        if found is None:
+            raise oa.invalid_api_key()
+        return found
+
+    def tenant(self, authorization: str | None) -> str:
+        """The tenant of one Authorization header value (None: the header is absent)."""
+        return self.authenticate([] if authorization is None else [authorization])[0]
+
+
+class AuthThrottle:
+    """Failed-key throttling per client address: after ``allowed`` failures within ``window_s`` every request
+    from that address that needs a key is a 429 (with Retry-After) until the window ends, whatever key it
+    carries, so a key cannot be guessed faster than that. Memory is bounded: at most ``max_addresses`` are
+    remembered, the least recently failing forgotten first."""
+
+    def __init__(self, *, allowed: int = AUTH_FAILURES_ALLOWED, window_s: float = AUTH_FAILURE_WINDOW_S,
+                 max_addresses: int = AUTH_TRACKED_ADDRESSES, clock: Callable[[], float] = time.monotonic) -> None:
+        self.allowed = allowed
+        self.window_s = window_s
+        self.max_addresses = max_addresses
+        self._clock = clock
+        self._failures: OrderedDict[str, tuple[float, int]] = OrderedDict()  # address -> (window start, count)
+
+    def retry_after(self, address: str) -> float | None:
+        """Seconds until ``address`` may try again, or None when it is not throttled."""
+        entry = self._failures.get(address)
+        if entry is None:
+            return None
+        left = entry[0] + self.window_s - self._clock()
+        if left <= 0:
+            del self._failures[address]
+            return None
+        return left if entry[1] >= self.allowed else None
+
+    def failed(self, address: str) -> None:
+        now = self._clock()
+        start, count = self._failures.pop(address, (now, 0))
+        if now - start >= self.window_s:
+            start, count = now, 0
+        self._failures[address] = (start, count + 1)  # (re)inserted last: the most recent
+        while len(self._failures) > self.max_addresses:
+            self._failures.popitem(last=False)
+
+    def check(self, address: str) -> None:
+        left = self.retry_after(address)
+        if left is not None:
+            raise oa.ApiError(429, "Too many requests with an invalid API key from this address; retry later.",
+                              type="rate_limit_error", code="too_many_auth_failures", retry_after_s=left)
+
+
+class KeyConcurrency:
+    """How many generation requests each API key has in flight here; over ``limit`` a request is a 429."""
+
+    def __init__(self, limit: int = PER_KEY_CONCURRENCY) -> None:
+        self.limit = limit
+        self._active: dict[bytes, int] = {}
+
+    def acquire(self, key_id: bytes) -> Callable[[], None]:
+        """Count one request of ``key_id`` (raises the 429 when it is at its limit); returns its release."""
+        if not key_id or self.limit <= 0:
+            return lambda: None
+        n = self._active.get(key_id, 0)
+        if n >= self.limit:
+            raise oa.ApiError(429, f"Too many concurrent requests for this API key (at most {self.limit}); "
+                                   "retry when one has finished.", type="rate_limit_error",
+                              code="too_many_concurrent_requests", retry_after_s=1)
+        self._active[key_id] = n + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            left = self._active.get(key_id, 1) - 1
+            if left > 0:
+                self._active[key_id] = left
+            else:
+                self._active.pop(key_id, None)
+
+        return release
 
 
 # ---------------------------------------------------------------------------------------------- request ids
 
 
 def request_id_from(header: str | None) -> str:
-    """The caller's X-Request-Id when it is a valid subject token, else a fresh one."""
-    if header:
+    """The caller's X-Request-Id when it is a valid subject token of at most MAX_REQUEST_ID_CHARS, else a
+    fresh one (an invalid or overlong id is dropped, never echoed)."""
+    if header and len(header) <= MAX_REQUEST_ID_CHARS:
         try:
             return check_token(header, "request id")
         except ValueError:
             pass
     return uuid.uuid4().hex
+
+
+def session_id_from(header: str | None) -> str | None:
+    """The X-Session-Id header, validated: at most MAX_SESSION_ID_CHARS of visible ASCII (spaces allowed
+    inside). Anything else is a 400 whose message does not repeat the value."""
+    if header is None:
+        return None
+    if not header or len(header) > MAX_SESSION_ID_CHARS or not all(" " <= ch <= "~" for ch in header):
+        raise oa.ApiError(400, f"Invalid '{SESSION_HEADER}' header: it must be 1 to {MAX_SESSION_ID_CHARS} "
+                               "printable ASCII characters.", param=SESSION_HEADER, code="invalid_value")
+    return header
 
 
 class RequestIdMiddleware:
@@ -470,27 +617,67 @@ class EventStreamResponse(Response):
 
 R = TypeVar("R", bound=BaseModel)
 
+# A \uD800-\uDFFF escape somewhere in the raw body: only then is the decoded data walked (it is rare).
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def _encodable(data: Any) -> bool:
+    """Every string (keys too) of decoded JSON encodes to UTF-8. Iterative: the data may be deeply nested."""
+    todo = [data]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+    return True
+
 
 async def parse_body(request: Request, model: type[R]) -> R:
     """The body as JSON whatever its Content-Type says (``curl -d`` sends a form type; OpenAI accepts it),
-    validated into ``model``; every failure is a 400 naming the offending field."""
+    validated into ``model``; every failure is a 400 naming the offending field (413 for an oversize body,
+    408 for one that does not arrive in time), never a 500: a malformed body is the caller's error."""
+    too_large = oa.ApiError(413, f"request body over {MAX_BODY_BYTES // (1024 * 1024)} MiB", code="payload_too_large")
+    declared = request.headers.get("content-length")
+    # Refused before a byte of it is read (the declared size is checked again against what really arrives).
+    if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
+        raise too_large if declared.isdigit() else oa.ApiError(400, "invalid Content-Length header")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise oa.ApiError(413, f"request body over {MAX_BODY_BYTES // (1024 * 1024)} MiB", code="payload_too_large")
-        chunks.append(chunk)
     try:
-        data = json.loads(b"".join(chunks))
-    except ValueError:
+        with anyio.fail_after(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise oa.ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+                          code="request_timeout") from None
+    raw = b"".join(chunks)
+    try:
+        data = json.loads(raw)
+    except RecursionError:  # deeper than the parser's stack allows
+        raise oa.ApiError(400, "The JSON body of your request is nested too deeply.") from None
+    except ValueError:  # invalid JSON, invalid UTF-8, an integer of more digits than Python converts
         raise oa.ApiError(400, "We could not parse the JSON body of your request: it is not valid JSON.") from None
     if not isinstance(data, dict):
         raise oa.ApiError(400, "The request body must be a JSON object.")
+    if _LONE_SURROGATE.search(raw) and not _encodable(data):
+        # JSON's \\ud800 escapes decode to strings no UTF-8 encoder (msgpack, the tokenizer) accepts later.
+        raise oa.ApiError(400, "The JSON body of your request has a string with an unpaired UTF-16 surrogate.")
     try:
         body = model.model_validate(data)
     except ValidationError as exc:
         raise oa.api_error_from_validation(exc) from None
+    except RecursionError:  # pydantic's own guard normally answers first; this is the last line
+        raise oa.ApiError(400, "The JSON body of your request is nested too deeply.") from None
     for name in oa.unknown_fields_once(body.model_extra):
         log.warning("unknown_request_field_ignored", field=name, path=request.url.path,
                     note="logged once per field name")
@@ -498,9 +685,17 @@ async def parse_body(request: Request, model: type[R]) -> R:
 
 
 
-def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> FastAPI:
-    app = FastAPI(title="splitserve OpenAI-compatible API", docs_url="/docs", redoc_url=None)
+def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None, docs: bool = False,
+               per_key_concurrency: int = PER_KEY_CONCURRENCY, auth_throttle: AuthThrottle | None = None) -> FastAPI:
+    """The public HTTP surface. ``/metrics`` is not on it (it names every tenant): see
+    :func:`create_metrics_app`, served on its own port. ``docs`` turns on /docs, /redoc and /openapi.json
+    (off by default: they map the whole surface for whoever asks)."""
+    app = FastAPI(title="splitserve OpenAI-compatible API", docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     auth = Authenticator(api_keys)
+    throttle = auth_throttle or AuthThrottle()
+    app.state.auth_throttle = throttle  # the console's key checks count against the same budget
+    limits = KeyConcurrency(per_key_concurrency)
     inflight: dict[str, str] = {}  # request id -> tenant, on this process only
     app.state.inflight = inflight
     started = int(time.time())
@@ -508,6 +703,7 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
     # HTTP server metrics of this process (http_requests_total, http_request_duration_seconds...: the names
     # vLLM's own server exposes, from the same library), beside the cluster's series on /metrics.
     http_registry = CollectorRegistry()
+    app.state.http_registry = http_registry
     Instrumentator(excluded_handlers=["/metrics"], registry=http_registry).instrument(app)
     # The standard ASGI server span (outermost): it continues the caller's traceparent, and every span of the
     # request (client.generate, router, workers) is its child. Probes are not traced; nor are the per-chunk
@@ -542,7 +738,17 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
     async def tenant_of(request: Request) -> str:
         # async on purpose: FastAPI runs a plain-def dependency in its thread pool, a thread hop (and two
         # wake-ups) on every request's critical path for a dict lookup.
-        return auth.tenant(request.headers.get("authorization"))
+        if auth.open:
+            return "default"
+        address = request.client.host if request.client else ""
+        throttle.check(address)  # before the key is even looked at: a throttled guess learns nothing
+        try:
+            tenant, key_id = auth.authenticate(request.headers.getlist("authorization"))
+        except oa.ApiError:
+            throttle.failed(address)
+            raise
+        request.state.key_id = key_id
+        return tenant
 
     def served_model(requested: str | None) -> str:
         name = backend.model_name
@@ -555,19 +761,28 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
         if rid in inflight:
             raise oa.ApiError(409, f"request id {rid} is already in flight", param=REQUEST_ID_HEADER,
                               code="duplicate_request_id")
-        args = args.served(model=model, session_id=request.headers.get(SESSION_HEADER))
+        args = args.served(model=model, session_id=session_id_from(request.headers.get(SESSION_HEADER)))
         trace.get_current_span().set_attributes({"request_id": rid, "gen_ai.request.model": model,
                                                  "gen_ai.operation.name": "chat" if args.kind == "chat"
                                                  else "text_completion"})
         responder = oa.Responder(kind=args.kind, request_id=rid, model=model, created=int(time.time()),
                                  include_usage=args.include_usage, logprobs=args.logprobs is not None)
+        release = limits.acquire(getattr(request.state, "key_id", b""))
         try:
             stream = backend.generate(args, tenant=tenant, request_id=rid)
         except errors.SplitserveError as exc:
+            release()
             raise oa.api_error_from(exc, kind=args.kind) from None
+        except BaseException:
+            release()
+            raise
         inflight[rid] = tenant
-        relay = Relay(stream, request_id=rid, cancel=backend.cancel_request,
-                      on_closed=lambda r: inflight.pop(r, None))
+
+        def closed(r: str) -> None:  # the relay's guaranteed end (streams included): the key's slot is free
+            inflight.pop(r, None)
+            release()
+
+        relay = Relay(stream, request_id=rid, cancel=backend.cancel_request, on_closed=closed)
         pump: Pump | None = None
         handed_over = False
         try:
@@ -630,14 +845,23 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None) -> F
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/metrics", response_model=None)
-    async def metrics() -> Response:
-        return Response(backend.metrics() + generate_latest(http_registry), media_type=METRICS_CONTENT_TYPE)
-
     @app.get("/readyz", response_model=None)
     async def readyz() -> JSONResponse:
+        # Open (probes carry no key): the detail names workers and the model, never a tenant.
         ready, detail = backend.readiness()
         return JSONResponse({"status": "ready" if ready else "not_ready", **detail},
                             status_code=200 if ready else 503)
 
     return app
+
+
+def create_metrics_app(backend: Backend, public_app: FastAPI) -> Starlette:
+    """``GET /metrics`` alone, for the metrics port (loopback unless the operator binds it wider): the
+    cluster's series name every tenant, so they are not on the port tenants reach. The HTTP series are those
+    of ``public_app`` (made by :func:`create_app`)."""
+    http_registry: CollectorRegistry = public_app.state.http_registry
+
+    async def metrics(_: Request) -> Response:
+        return Response(backend.metrics() + generate_latest(http_registry), media_type=METRICS_CONTENT_TYPE)
+
+    return Starlette(routes=[Route("/metrics", metrics, methods=["GET"])])

@@ -32,6 +32,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
 from proto.subjects import check_token
+from services.frontend.app import AuthThrottle, bearer_key
 from services.frontend.console_data import ConsoleData
 from splitserve import errors
 from splitserve.tenancy.consolekey import ADMIN_KEYS_ENV
@@ -90,15 +91,23 @@ class ConsoleAuth:
             raise ValueError("an admin console key is also a tenant's API key")
         self.open = not self._tenants and not self._admins
 
-    def principal(self, authorization: str | None) -> Principal:
+    def principal(self, authorization: str | list[str] | None) -> Principal:
         if self.open:
             return Principal(admin=True)
-        scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() == "bearer" and key.strip():
-            d = _digest(key.strip())
-            if any(hmac.compare_digest(d, a) for a in self._admins):
+        # Read strictly and compared exactly, as the API's own keys are (a trailing newline is another key).
+        key = bearer_key([authorization] if isinstance(authorization, str) else list(authorization or []))
+        if key is not None:
+            d = _digest(key)
+            # Every key compared, no early exit: the timing says neither how close a guess was nor its kind.
+            admin = False
+            for a in self._admins:
+                admin |= hmac.compare_digest(d, a)
+            tenant = None
+            for known, name in self._tenants.items():
+                if hmac.compare_digest(d, known):
+                    tenant = name
+            if admin:
                 return Principal(admin=True)
-            tenant = self._tenants.get(d)
             if tenant is not None:
                 return Principal(admin=False, tenant=tenant)
         raise HTTPException(401, "the console needs a key: an admin key, or a tenant's API key for that tenant's "
@@ -126,7 +135,18 @@ def console_router(data: ConsoleData, auth: ConsoleAuth) -> APIRouter:
     api = APIRouter(prefix="/console/api")
 
     def principal(request: Request) -> Principal:
-        p = auth.principal(request.headers.get("authorization"))
+        # Failed keys count against the front door's per-address budget (when it has one): the console is
+        # another door to the same keys.
+        throttle: AuthThrottle | None = getattr(request.app.state, "auth_throttle", None)
+        address = request.client.host if request.client else ""
+        if throttle is not None and not auth.open:
+            throttle.check(address)
+        try:
+            p = auth.principal(request.headers.getlist("authorization"))
+        except HTTPException:
+            if throttle is not None:
+                throttle.failed(address)
+            raise
         data.viewed()
         return p
 

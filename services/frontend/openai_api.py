@@ -16,7 +16,7 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -31,6 +31,10 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_STOP_SEQUENCES = 16
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit (vLLM's default max_logprobs too)
 PRIORITY_CLASSES = 10  # splitserve's per-tenant priority classes 0 (most urgent) .. 9
+# Token counts and token ids travel as 32-bit integers at most: anything larger is the caller's error (a 400
+# here), not an overflow when the request is encoded (which was a 500).
+MAX_INT32 = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
 Kind = Literal["chat", "completion"]
 
@@ -70,6 +74,7 @@ ERROR_MAP: dict[ErrorCode, tuple[int, str, str]] = {
     ErrorCode.PAYLOAD_TOO_LARGE: (413, "invalid_request_error", "payload_too_large"),
     # The API key was known here but its tenant is not known to the backend: authenticated, not allowed.
     ErrorCode.UNKNOWN_TENANT: (403, "permission_error", "unknown_tenant"),
+    ErrorCode.FORBIDDEN: (403, "permission_error", "forbidden"),
     ErrorCode.QUOTA_EXCEEDED: (429, "rate_limit_error", "rate_limit_exceeded"),
     ErrorCode.NO_WORKERS: (503, "server_error", "no_workers"),
     ErrorCode.BUSY: (503, "server_error", "busy"),
@@ -183,7 +188,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "store": _neutral(None, False),
     "return_tokens_as_token_ids": _neutral(None, False),
     "kv_transfer_params": _neutral(None),
-    "cache_salt": _neutral(None),
     "chat_template": _neutral(None),
     "chat_template_kwargs": _neutral(None, {}),
     "continue_final_message": _neutral(None, False),
@@ -226,17 +230,19 @@ class _Request(BaseModel):
     model: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     n: int | None = None
     ignore_eos: bool | None = False
-    min_tokens: int | None = Field(default=None, ge=0)
+    min_tokens: int | None = Field(default=None, ge=0, le=MAX_INT32)
     # vLLM's semantics: lower is served earlier; splitserve has classes 0..9 per tenant.
     priority: int | None = Field(default=None, ge=0, lt=PRIORITY_CLASSES)
     user: str | None = Field(default=None, max_length=256)  # the session key (sticky routing) unless a header
+    # vLLM's prefix-cache salt: honoured within the caller's tenant (the router combines it with the tenant's)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("n")
     @classmethod
@@ -271,13 +277,13 @@ class ChatMessageIn(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -308,13 +314,14 @@ class GenerateArgs:
     priority: int = 0
     session_id: str | None = None
     model: str | None = None  # the served model's name (spans and logs)
+    cache_salt: str | None = None  # the caller's prefix-cache salt, within its tenant
 
     def client_kwargs(self) -> dict[str, Any]:
         out: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature,
                                "top_p": self.top_p, "seed": self.seed, "stop": self.stop}
         # only what differs from the defaults, so a caller that sends none of these builds the same request
         for name, default in (("logprobs", None), ("ignore_eos", False), ("min_tokens", 0), ("priority", 0),
-                              ("session_id", None), ("model", None)):
+                              ("session_id", None), ("model", None), ("cache_salt", None)):
             if getattr(self, name) != default:
                 out[name] = getattr(self, name)
         return out
@@ -348,7 +355,7 @@ def _common(req: _Request, max_tokens: int) -> dict[str, Any]:
         raise ApiError(400, f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})",
                        param="min_tokens", code="invalid_value")
     return {"ignore_eos": bool(req.ignore_eos), "min_tokens": min_tokens, "priority": req.priority or 0,
-            "session_id": req.user or None}
+            "session_id": req.user or None, "cache_salt": req.cache_salt}
 
 
 def _content_text(msg: ChatMessageIn, i: int) -> str:

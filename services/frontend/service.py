@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,14 +22,23 @@ from nats.aio.msg import Msg
 from proto import Heartbeat, RequestFinished, Subjects, WorkerLoad
 from services.frontend import console
 from services.frontend import openai_api as oa
-from services.frontend.app import Stream, create_app
+from services.frontend.app import PER_KEY_CONCURRENCY, Stream, create_app, create_metrics_app
 from services.frontend.console_data import ConsoleData
+from services.frontend.guard import HEADER_TIMEOUT_S, exposure_warning, guarded_httptools
 from splitserve import errors
 from splitserve.client import Client
 from splitserve.obs.metrics import ClusterMetrics
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
 from splitserve.tenancy.config import TenantsConfig
+
+# The metrics port of `python -m services.frontend` (OpenTelemetry's Prometheus exporter's port).
+METRICS_PORT = 9464
+# Connections (streams included) one front door serves at once; beyond it uvicorn answers 503 at once.
+LIMIT_CONCURRENCY = 1024
+# Idle time a kept-alive connection is held between requests: long enough for clients' pools to reuse it,
+# short enough that idle sockets do not pile up against LIMIT_CONCURRENCY.
+KEEP_ALIVE_S = 30
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -57,6 +67,13 @@ class FrontendService(Service):
         graceful_s: int = 5,
         accept_timeout_s: float = 30.0,
         idle_timeout_s: float = 120.0,
+        docs: bool = False,
+        metrics_host: str = "127.0.0.1",
+        metrics_port: int | None = 0,
+        limit_concurrency: int = LIMIT_CONCURRENCY,
+        per_key_concurrency: int = PER_KEY_CONCURRENCY,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+        keep_alive_s: int = KEEP_ALIVE_S,
         **kw: Any,
     ) -> None:
         super().__init__(worker_id, nats_url, **kw)
@@ -67,12 +84,22 @@ class FrontendService(Service):
         self.graceful_s = graceful_s
         self.accept_timeout_s = accept_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        # /metrics names every tenant: served on its own port (None: not at all), loopback unless told otherwise.
+        self.metrics_host = metrics_host
+        self.metrics_port = metrics_port
+        self.limit_concurrency = limit_concurrency
+        self.header_timeout_s = header_timeout_s
+        self.keep_alive_s = keep_alive_s
         self.registry = WorkerRegistry()
-        self.app = create_app(self, api_keys=api_keys)
+        self.app = create_app(self, api_keys=api_keys, docs=docs, per_key_concurrency=per_key_concurrency)
+        self.metrics_app = create_metrics_app(self, self.app)
         self.url = ""
+        self.metrics_url = ""  # http://host:port/metrics once listening ("" when there is no metrics port)
         self.cancel_requests: list[str] = []  # what cancel_request was asked for (until the lead wires it)
         self._server: _EmbeddedServer | None = None
         self._serve_task: asyncio.Task[None] | None = None
+        self._metrics_server: _EmbeddedServer | None = None
+        self._metrics_task: asyncio.Task[None] | None = None
         self._client: Client | None = None
         self.cluster_metrics = ClusterMetrics()  # gathered here: every request's end and every heartbeat
         # The web console (/console): the same figures, drawn; its own keys (admin) besides the tenants' keys.
@@ -87,36 +114,68 @@ class FrontendService(Service):
 
     async def start(self) -> None:
         await self.b.subscribe(Subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
-        await self.b.subscribe(Subjects.FINISHED_ALL, RequestFinished, self.on_finished)
+        await self.b.subscribe(Subjects.FINISHED_ALL, RequestFinished, self.on_finished, scoped=True)
         self.b.spawn(self.console.run_sampler())
+        warning = exposure_warning(self.host, self.api_keys)
+        if warning is not None:
+            # Loud on purpose: in the log (error level, so it survives --log-level warning) and on stderr.
+            self.log.error("open_front_door_beyond_loopback", host=self.host, warning=warning)
+            print(warning, file=sys.stderr, flush=True)
         # Bind here rather than in uvicorn: a taken port is then an exception with a clear message (uvicorn
         # would sys.exit), and port 0 tells us the real port before we announce ready.
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = self._bind(self.host, self.port)
+        self.port = int(sock.getsockname()[1])
+        self.url = f"http://{self.host}:{self.port}"
+        # httptools (a dependency): the C HTTP parser, not "auto" (which falls back to h11 silently), with a
+        # deadline on reading each request's headers (slowloris); limit_concurrency answers 503 beyond it.
+        cfg = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
+                             http=guarded_httptools(self.header_timeout_s),
+                             timeout_graceful_shutdown=self.graceful_s, timeout_keep_alive=self.keep_alive_s,
+                             limit_concurrency=self.limit_concurrency or None)
+        self._server, self._serve_task = await self._serve(cfg, sock)
+        if self.metrics_port is not None:
+            try:
+                msock = self._bind(self.metrics_host, self.metrics_port)
+            except OSError as exc:
+                # Never stop for metrics: serve them on a free port and say which (as the vLLM workers do).
+                msock = self._bind(self.metrics_host, 0)
+                self.log.warning("metrics_port_taken", wanted=self.metrics_port, error=str(exc),
+                                 port=int(msock.getsockname()[1]))
+            self.metrics_port = int(msock.getsockname()[1])
+            self.metrics_url = f"http://{self.metrics_host}:{self.metrics_port}/metrics"
+            mcfg = uvicorn.Config(self.metrics_app, log_config=None, access_log=False, lifespan="off",
+                                  http=guarded_httptools(self.header_timeout_s), timeout_graceful_shutdown=1,
+                                  timeout_keep_alive=self.keep_alive_s, limit_concurrency=64)
+            self._metrics_server, self._metrics_task = await self._serve(mcfg, msock)
+        self.log.info("http_listening", url=self.url, openai_base_url=f"{self.url}/v1",
+                      auth="api-keys" if self.api_keys else "none", metrics_url=self.metrics_url or None)
+
+    @staticmethod
+    def _bind(host: str, port: int) -> socket.socket:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and with Nagle
         # left on, every small SSE chunk after the first waits ~40 ms for the client's delayed ACK.
         sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            sock.bind((self.host, self.port))
+            sock.bind((host, port))
         except OSError as exc:
             sock.close()
-            raise OSError(f"cannot listen on {self.host}:{self.port}: {exc.strerror}") from None
+            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
         sock.listen(2048)
-        self.port = int(sock.getsockname()[1])
-        self.url = f"http://{self.host}:{self.port}"
-        # httptools (a dependency): the C HTTP parser, not "auto" (which falls back to h11 silently).
-        cfg = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", http="httptools",
-                             timeout_graceful_shutdown=self.graceful_s, timeout_keep_alive=30)
-        self._server = _EmbeddedServer(cfg)
-        self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
-        while not self._server.started:
-            if self._serve_task.done():
-                self._serve_task.result()
+        return sock
+
+    @staticmethod
+    async def _serve(cfg: uvicorn.Config, sock: socket.socket) -> tuple[_EmbeddedServer, asyncio.Task[None]]:
+        server = _EmbeddedServer(cfg)
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            if task.done():
+                task.result()
                 raise RuntimeError("the HTTP server stopped during startup")
             await asyncio.sleep(0.02)
-        self.log.info("http_listening", url=self.url, openai_base_url=f"{self.url}/v1",
-                      auth="api-keys" if self.api_keys else "none")
+        return server, task
 
     async def drain(self) -> None:
         # Stop accepting connections; open requests (streams included) run to their end within the bound.
@@ -126,6 +185,7 @@ class FrontendService(Service):
         self._server.should_exit = True
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await asyncio.shield(self._serve_task)
+        await self._stop_metrics()
 
     async def shutdown(self) -> None:
         if self._server is None or self._serve_task is None:
@@ -134,6 +194,15 @@ class FrontendService(Service):
         self._server.should_exit = True
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await asyncio.wait_for(self._serve_task, timeout=self.graceful_s + 5)
+        await self._stop_metrics()
+
+    async def _stop_metrics(self) -> None:
+        # Last: a scrape during the drain still sees the final numbers.
+        if self._metrics_server is None or self._metrics_task is None:
+            return
+        self._metrics_server.should_exit = True
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(self._metrics_task, timeout=5)
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(active_seqs=len(self.app.state.inflight))

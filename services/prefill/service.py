@@ -78,7 +78,9 @@ GATHER_WAIT_S = 0.1
 # more than these few extra tokens. (A chat template's system prompt is such a prefix, shared by every chat.)
 BATCH_RECOMPUTE_TOKENS = 64
 
-BatchRunner = Callable[[list[tuple[list[int], Sampling]]], Awaitable[list["PrefillResult | BaseException"]]]
+# One prompt of a batch: its token ids, sampling, and the cache salt its job carries (scopes its prefix reuse).
+BatchItem = tuple[list[int], Sampling, str | None]
+BatchRunner = Callable[[list[BatchItem]], Awaitable[list["PrefillResult | BaseException"]]]
 
 
 class PrefillGather:
@@ -89,7 +91,7 @@ class PrefillGather:
         self.waiting = set(keys)
         self.run_batch = run_batch
         self.wait_s = wait_s
-        self.items: list[tuple[list[int], Sampling]] = []
+        self.items: list[BatchItem] = []
         self.futures: list[asyncio.Future[PrefillResult]] = []
         self.closed = False
         self._all_in = asyncio.Event()
@@ -103,13 +105,14 @@ class PrefillGather:
         if not self.waiting:
             self._all_in.set()
 
-    async def prefill(self, key: str, ids: list[int], sampling: Sampling) -> PrefillResult:
+    async def prefill(self, key: str, ids: list[int], sampling: Sampling,
+                      cache_salt: str | None = None) -> PrefillResult:
         if self.closed:  # too late for the batch
             self.waiting.discard(key)
             self.batch_of[key] = 1
-            return self._result((await self.run_batch([(ids, sampling)]))[0])
+            return self._result((await self.run_batch([(ids, sampling, cache_salt)]))[0])
         future: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
-        self.items.append((ids, sampling))
+        self.items.append((ids, sampling, cache_salt))
         self.futures.append(future)
         self._keys.append(key)
         self.leave(key)
@@ -207,7 +210,7 @@ class PrefillService(Service):
 
     async def start(self) -> None:
         await self.b.subscribe(Subjects.prefill_job(self.worker_id), PrefillJob, self.on_job)
-        await self.b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel)
+        await self.b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel, scoped=True)
         if self.kv_events is not None:
             await self.kv_events.start()
         self._loop_task = self.b.spawn(self._loop())
@@ -429,12 +432,12 @@ class PrefillService(Service):
                 try:
                     if member is not None and not layerwise:
                         gather, key = member
-                        res = await gather.prefill(key, ids, sampling)
+                        res = await gather.prefill(key, ids, sampling, job.cache_salt)
                         batch = gather.batch_of.get(key, 1)
                         csp.set_attribute("prefill.batch", batch)
                     else:
                         res = await self.thread.run(self._prefill_cached, ids, sampling,
-                                                    push_layer if layerwise else None)
+                                                    push_layer if layerwise else None, job.cache_salt)
                 except PromptTooLong as exc:
                     raise JobFailed(ErrorCode.PROMPT_TOO_LONG, str(exc)) from None
                 prefill_ms = (time.perf_counter() - t0) * 1000
@@ -488,29 +491,31 @@ class PrefillService(Service):
                       kv_bytes=nbytes, transfer_ms=round(transfer_ms, 2), layerwise=layerwise, batch=batch,
                       decoder=job.decoder_id)
 
-    def _prefill_cached(self, ids: list[int], sampling: Sampling, on_layer: LayerHook | None) -> PrefillResult:
-        """Engine thread: reuse the longest cached prefix, prefill the rest, keep the result for next time."""
+    def _prefill_cached(self, ids: list[int], sampling: Sampling, on_layer: LayerHook | None,
+                        cache_salt: str | None = None) -> PrefillResult:
+        """Engine thread: reuse the longest cached prefix, prefill the rest, keep the result for next time;
+        both within the job's cache salt (its tenant / cache group), so tenants never reuse each other's KV."""
         past = None
         if self.store is not None:
-            m = self.store.match(ids)
+            m = self.store.match(ids, cache_salt=cache_salt)
             past = m.kv if m.num_tokens else None
         res = self.engine.prefill(ids, sampling, past_kv=past, on_layer=on_layer)
         if self.store is not None:
-            self.store.insert(ids, res.kv)
+            self.store.insert(ids, res.kv, cache_salt=cache_salt)
         return res
 
-    async def _run_batch(self, items: list[tuple[list[int], Sampling]]) -> list[PrefillResult | BaseException]:
+    async def _run_batch(self, items: list[BatchItem]) -> list[PrefillResult | BaseException]:
         return await self.thread.run(self._prefill_cached_batch, items)
 
-    def _prefill_cached_batch(self, items: list[tuple[list[int], Sampling]]) -> list[PrefillResult | BaseException]:
+    def _prefill_cached_batch(self, items: list[BatchItem]) -> list[PrefillResult | BaseException]:
         """Engine thread: `_prefill_cached` for several prompts in one engine call (a prompt with a long cached
         prefix is computed on its own by the engine; a short one is recomputed in the batch). If the batch
         fails, each prompt is retried alone, so one bad prompt fails only its own job."""
         requests = []
-        for ids, sampling in items:
+        for ids, sampling, salt in items:
             past = None
             if self.store is not None:
-                m = self.store.match(ids)
+                m = self.store.match(ids, cache_salt=salt)
                 if m.num_tokens > (BATCH_RECOMPUTE_TOKENS if len(items) > 1 else 0):
                     past = m.kv
             requests.append(PrefillRequest(ids, sampling, past))
@@ -526,9 +531,9 @@ class PrefillService(Service):
                 except Exception as exc:
                     results.append(exc)
         if self.store is not None:
-            for (ids, _), res in zip(items, results, strict=True):
+            for (ids, _, salt), res in zip(items, results, strict=True):
                 if isinstance(res, PrefillResult):
-                    self.store.insert(ids, res.kv)
+                    self.store.insert(ids, res.kv, cache_salt=salt)
         return results
 
     async def _fail(self, job: DecodeJob, code: ErrorCode, message: str) -> None:

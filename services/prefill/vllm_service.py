@@ -66,7 +66,7 @@ class VllmPrefillService(PrefillService):
 
     async def start(self) -> None:
         await self.b.subscribe(Subjects.prefill_job(self.worker_id), PrefillJob, self.on_job)
-        await self.b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel)
+        await self.b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel, scoped=True)
         if self.bridge is not None:
             await self.bridge.start()
         self.b.spawn(self._loop())
@@ -114,7 +114,7 @@ class VllmPrefillService(PrefillService):
             raise JobFailed(ErrorCode.EXPIRED, "the request's deadline passed before prefill started")
         ids = list(job.prompt_token_ids)
         sampling = engine_sampling(job.sampling, len(ids), self.engine.info.eos_token_ids)
-        req = GenRequest(job.request_id, ids, sampling, 1, (), self.remote_decode_params(job))
+        req = GenRequest(job.request_id, ids, sampling, 1, (), self.remote_decode_params(job), job.cache_salt)
         first: int | None = None
         first_lp = None
         cached = 0

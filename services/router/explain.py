@@ -26,15 +26,18 @@ EXPLAIN_REQUEST_ID = "explain"
 def prompt_ids(tokenize: Callable[[GenerateRequest], list[int]], req: RouteExplainRequest) -> list[int]:
     """Token ids the way intake computes them (same tokenizer, same chat template)."""
     as_request = GenerateRequest(request_id=EXPLAIN_REQUEST_ID, tenant=req.tenant, prompt=req.prompt,
-                                 messages=req.messages, prompt_token_ids=req.prompt_token_ids, stream_subject="-")
+                                 messages=req.messages, prompt_token_ids=req.prompt_token_ids)
     return tokenize(as_request)
 
 
 def answer(router_id: str, policy: Router, req: RouteExplainRequest, ids: list[int],
-           heartbeats: Sequence[Heartbeat], view: Callable[[Heartbeat], WorkerView], now: float) -> RouteExplainReply:
+           heartbeats: Sequence[Heartbeat], view: Callable[[Heartbeat], WorkerView], now: float,
+           cache_salt: str | None = None) -> RouteExplainReply:
+    """``cache_salt``: the salt the router would give this request (its tenant's, see
+    ``TenantsConfig.cache_salt``), so the dry run looks up the same blocks a real request would."""
     views = [view(hb) for hb in heartbeats]
     rreq = RoutingRequest(request_id=EXPLAIN_REQUEST_ID, tenant=req.tenant, token_ids=ids,
-                          session_key=req.session_id)
+                          session_key=req.session_id, cache_salt=cache_salt)
     held = policy.index.lookup(rreq.hashes(policy.block_size)) if policy.index is not None and ids else {}
     seen = pending_views(policy, views, now)
     workers = [ExplainWorker(worker_id=v.worker_id, role=v.role, pool=v.pool, active_seqs=v.active_seqs,

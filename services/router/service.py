@@ -42,6 +42,7 @@ import os
 import time
 import uuid
 from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -91,7 +92,7 @@ from splitserve.cache.index import PrefixIndex
 from splitserve.obs import tracing
 from splitserve.routing import NoWorkers, RoutingRequest, WorkerView
 from splitserve.routing.live import build_router, decoder_free_slots, dispatch_batch, live_disagg, view_from_load
-from splitserve.runtime.bus import PayloadTooLarge
+from splitserve.runtime.bus import PayloadTooLarge, identity_refusal, reply_allowed
 from splitserve.runtime.jetstream import ensure_stream, replicas_for
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
@@ -112,6 +113,15 @@ UNCONFIRMED_S = 5.0
 FAIR_REPORT_S = 0.25  # how often a router tells the others what it charged each tenant
 RECONCILE_S = 10.0  # how often a router checks old quota reservations against the request registry
 RECONCILE_AFTER_S = 30.0  # reservations younger than this are never questioned (their intake may be running)
+
+
+INLINE_TOKENIZE_BYTES = 16_384  # prompts up to this size are tokenized on the event loop (~100 us)
+TOKENIZE_WAITING = 8  # large prompts tokenizing or waiting for the tokenizer thread at once; more: busy
+OPEN_MODE_MAX_TENANTS = 1024  # distinct tenant names served without a tenants file
+
+
+class _TokenizerBusy(Exception):
+    pass
 
 
 class _Rate:
@@ -209,7 +219,10 @@ class RouterService(Service):
         self.dropped: OrderedDict[str, None] = OrderedDict()
         self._deadlines: list[tuple[float, str, str]] = []  # (deadline ms, tenant, request id) accepted here
         self._accepted_meta: dict[str, tuple[str, str, int]] = {}  # rid -> (tenant, stream subject, prompt len)
-        self._rates: dict[tuple[str, str], _Rate] = {}
+        self._rates: dict[tuple[str, str], _Rate] = {}  # only tenants that passed _tenant_slot: bounded
+        self._open_tenants: set[str] = set()  # open mode: the tenant names seen (at most OPEN_MODE_MAX_TENANTS)
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._tokenizing = 0
         self._started = time.monotonic()  # reset at start(): setup may take long
         self.request_ttl_s = request_ttl_s
         self.incarnation = uuid.uuid4().hex[:12]  # this process, in fair-share reports
@@ -255,16 +268,17 @@ class RouterService(Service):
         self._started = time.monotonic()
         b = self.b
         await b.subscribe(Subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
-        await b.subscribe(Subjects.FINISHED_ALL, RequestFinished, self.on_finished)
+        await b.subscribe(Subjects.FINISHED_ALL, RequestFinished, self.on_finished, scoped=True)
         await b.subscribe(Subjects.KV_EVENTS_ALL, KvEventBatch, self.on_kv_events)
-        await b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel)
-        await b.subscribe(Subjects.BOUNCED_ALL, JobBounced, self.on_bounced)
+        await b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel, scoped=True)
+        await b.subscribe(Subjects.BOUNCED_ALL, JobBounced, self.on_bounced, scoped=True)
         self._intake_subs.append(await b.subscribe(Subjects.ADMIN_QUEUES, QueueReportRequest, self.on_queue_report,
                                                    queue=Subjects.ROUTER_QUEUE, concurrent=True))
         self._intake_subs.append(await b.subscribe(Subjects.ADMIN_ROUTE_EXPLAIN, proto.RouteExplainRequest,
                                                    self.on_route_explain, queue=Subjects.ROUTER_QUEUE))
         self._intake_subs.append(await b.subscribe(
-            Subjects.REQUEST_ALL, GenerateRequest, self.on_request, queue=Subjects.ROUTER_QUEUE, concurrent=True
+            Subjects.REQUEST_ALL, GenerateRequest, self.on_request, queue=Subjects.ROUTER_QUEUE, concurrent=True,
+            scoped=True,
         ))
         b.spawn(self._reaper())
         if self.use_queue:
@@ -587,8 +601,10 @@ class RouterService(Service):
         context = [*old.prompt_token_ids, *inf.tokens]
         now = time.monotonic()
         views = [self._view(hb) for hb in self.registry.live("decode", now) + self.registry.live("prefill", now)]
+        salt = self._cache_salt(req)
         rreq = RoutingRequest(request_id=req.request_id, tenant=req.tenant, token_ids=context,
-                              session_key=req.session_id, force_route=None if req.route == "auto" else req.route)
+                              session_key=req.session_id, force_route=None if req.route == "auto" else req.route,
+                              cache_salt=salt)
         try:
             decision = self.policy.decide(rreq, views, now)
         except NoWorkers as exc:
@@ -599,7 +615,7 @@ class RouterService(Service):
         job = old.model_copy(update=dict(
             attempt=attempt + 1, resume_token_ids=list(inf.tokens), resume_text="".join(inf.text),
             start_seq=inf.next_seq, route=route, decoder_id=decision.decoder, prefill_worker=decision.prefiller,
-            routed_ms=now_ms(), decision=ddict))
+            routed_ms=now_ms(), decision=ddict, cache_salt=salt))
         inf.job, inf.attempt, inf.started, inf.confirmed = job, attempt + 1, False, False
         inf.routed_at = time.monotonic()
         inf.decoder, inf.prefiller = decision.decoder, decision.prefiller
@@ -653,24 +669,26 @@ class RouterService(Service):
     async def on_cancel(self, c: CancelRequest, _: Msg) -> None:
         # A dispatched request is stopped by its worker; one still waiting in the queue is ended here, now,
         # and skipped when it reaches dispatch.
+        # c.tenant is the tenant the cancel's subject names (the bus refused a body that disagrees): a request
+        # of any other tenant is not touched, whatever its id.
         inf = self.inflight.get(c.request_id)
         if inf is not None:
             if inf.tenant == c.tenant:
                 inf.cancelled = True  # its worker ends it; a migration in between ends it instead of moving it
             return
-            return
         if not self.use_queue:
-            if c.request_id in self._accepted_meta:
+            meta = self._accepted_meta.get(c.request_id)
+            if meta is not None and meta[0] == c.tenant:
                 await self._end_queued(c.request_id, "cancelled", c.reason)
             return
         # Every router hears the cancel and any may hold the request's queue message: the one whose
         # compare-and-set moves the record from queued to ended sends the final; dispatch can no longer win it.
-        await self._end_if_queued(c.request_id, "cancelled", c.reason)
+        await self._end_if_queued(c.tenant, c.request_id, "cancelled", c.reason)
 
-    async def _end_if_queued(self, rid: str, reason: str, why: str) -> None:
+    async def _end_if_queued(self, tenant: str, rid: str, reason: str, why: str) -> None:
         try:
             got = await self.requests.get(rid)
-            while got is not None and got[0].state == "queued":
+            while got is not None and got[0].state == "queued" and got[0].tenant == tenant:
                 rec, rev = got
                 ended = rec.model_copy(update={"state": "ended", "status": reason,
                                                "used_tokens": rec.prompt_tokens})
@@ -687,11 +705,11 @@ class RouterService(Service):
     async def _expire_queued(self) -> None:
         now = now_ms()
         while self._deadlines and self._deadlines[0][0] <= now:
-            _, _tenant, rid = heapq.heappop(self._deadlines)
+            _, tenant, rid = heapq.heappop(self._deadlines)
             if rid in self._accepted_meta and rid not in self.inflight:
                 why = "the deadline passed while the request waited in the queue"
                 if self.use_queue:
-                    self.b.spawn(self._end_if_queued(rid, "expired", why))
+                    self.b.spawn(self._end_if_queued(tenant, rid, "expired", why))
                 else:
                     await self._end_queued(rid, "expired", why)
 
@@ -725,14 +743,15 @@ class RouterService(Service):
     async def _reject(self, req: GenerateRequest, msg: Msg, code: ErrorCode, message: str,
                       retry_after_s: float | None = None, limit: str | None = None) -> None:
         self.log.info("rejected", request_id=req.request_id, code=str(code), reason=message, limit=limit)
-        self._rate(req.tenant, "refused").add(time.monotonic())
+        if self.tenants.known(req.tenant) and (not self.tenants.open or req.tenant in self._open_tenants):
+            self._rate(req.tenant, "refused").add(time.monotonic())
         sp = trace.get_current_span()
         sp.set_attribute("error.code", str(code))
         tracing.record_error(sp, message)
         err = StreamError(request_id=req.request_id, code=code, message=message,
                           retryable=retry_after_s is not None,
                           retry_after_ms=None if retry_after_s is None else round(retry_after_s * 1000, 1))
-        if msg.reply:
+        if reply_allowed(msg.reply):
             await self.b.respond(msg, err)
         else:
             await self.b.publish(req.stream_subject, err)
@@ -771,7 +790,7 @@ class RouterService(Service):
                                                    prompt_tokens=0))
             else:
                 await self._reject(req, msg, ErrorCode.BAD_REQUEST,
-                                   f"request id {req.request_id} is in use by another tenant")
+                                   f"request id {req.request_id} is already in use; use a new request id")
             return
         if not self.tenants.known(req.tenant):
             await self._reject(req, msg, ErrorCode.UNKNOWN_TENANT, f"tenant {req.tenant!r} is not in the tenants "
@@ -781,8 +800,23 @@ class RouterService(Service):
             await self._reject(req, msg, ErrorCode.BUSY, f"router {self.worker_id} has {self.max_inflight} "
                                "requests in flight; retry later", retry_after_s=1.0)
             return
+        if not self._tenant_slot(req.tenant):
+            await self._reject(req, msg, ErrorCode.BUSY, f"the router serves at most {OPEN_MODE_MAX_TENANTS:,} "
+                               "distinct tenants without a tenants file", retry_after_s=5.0)
+            return
+        # Cheap checks first: a prompt whose size alone puts it over a limit is refused before any tokenizer
+        # work (three 6 MB prompts once stalled this loop for 16 s), and a large one is tokenized off the loop.
+        floor, limit = self.tokenizer.min_tokens(req), self._prompt_limit(req.tenant)
+        if limit is not None and floor > limit[0]:
+            await self._reject(req, msg, ErrorCode.PROMPT_TOO_LONG,
+                               f"prompt has at least {floor:,} tokens ({self.tokenizer.text_bytes(req):,} bytes); "
+                               f"{limit[1]} accepts at most {limit[0]:,}")
+            return
         try:
-            ids = self.tokenizer.token_ids(req)
+            ids = await self._tokenize(req)
+        except _TokenizerBusy as exc:
+            await self._reject(req, msg, ErrorCode.BUSY, str(exc), retry_after_s=0.5)
+            return
         except Exception as exc:
             await self._reject(req, msg, ErrorCode.BAD_REQUEST, f"could not tokenize the prompt: {exc}")
             return
@@ -813,6 +847,43 @@ class RouterService(Service):
             return
         await self._route(req, ids, msg, sp)
         self.quota.admit(req.tenant, req.request_id, len(ids), req.sampling.max_tokens, now)
+
+    def _tenant_slot(self, tenant: str) -> bool:
+        """Whether a tenant may have state here: always with a tenants file (its names are the bound); without
+        one (open mode, any name) at most OPEN_MODE_MAX_TENANTS distinct names, so a caller inventing names
+        cannot grow the router's per-tenant maps or the queue's per-tenant lanes without bound."""
+        if not self.tenants.open or tenant in self._open_tenants:
+            return True
+        if len(self._open_tenants) >= OPEN_MODE_MAX_TENANTS:
+            return False
+        self._open_tenants.add(tenant)
+        return True
+
+    def _prompt_limit(self, tenant: str) -> tuple[int, str] | None:
+        """The most prompt tokens a request of ``tenant`` may have, and whose limit that is."""
+        best: tuple[int, str] | None = None
+        lim = self.tenants.limits(tenant)
+        if lim is not None and lim.max_prompt_tokens is not None:
+            best = (lim.max_prompt_tokens, f"tenant {tenant!r} (max_prompt_tokens)")
+        lens = [hb.max_model_len for hb in self.registry.live("decode", time.monotonic()) if hb.max_model_len]
+        if lens and (best is None or min(lens) - 1 < best[0]):
+            best = (min(lens) - 1, "the model")
+        return best
+
+    async def _tokenize(self, req: GenerateRequest) -> list[int]:
+        """Token ids of the prompt: a small one here (microseconds), a large one on the tokenizer thread, at most
+        TOKENIZE_WAITING of them waiting at once (then ``busy``), so neither the event loop (heartbeats, every
+        other tenant's intake and streams) nor memory is held by a few huge prompts."""
+        if self.tokenizer.text_bytes(req) <= INLINE_TOKENIZE_BYTES:
+            return self.tokenizer.token_ids(req)
+        if self._tokenizing >= TOKENIZE_WAITING:
+            raise _TokenizerBusy(f"{self._tokenizing} large prompts are being tokenized; retry shortly")
+        self._tokenizing += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self.tokenizer.token_ids,
+                                                                    req)
+        finally:
+            self._tokenizing -= 1
 
     async def _intake_queued(self, req: GenerateRequest, msg: Msg, sp: trace.Span, ids: list[int],
                              queued: int) -> None:
@@ -895,7 +966,8 @@ class RouterService(Service):
             return
         rec, rev = got
         if rec.tenant != req.tenant:
-            await self._reject(req, msg, ErrorCode.BAD_REQUEST, f"request id {rid} is in use by another tenant")
+            await self._reject(req, msg, ErrorCode.BAD_REQUEST,
+                               f"request id {rid} is already in use; use a new request id")
             return
         if rec.state == "ended":
             await self._reject(req, msg, ErrorCode.BAD_REQUEST,
@@ -981,6 +1053,12 @@ class RouterService(Service):
             return
         req = q.request
         rid = req.request_id
+        if (refusal := identity_refusal(qmsg.subject, q)) is not None:
+            # Only routers may write the queue; a message whose body disagrees with its lane was not written by
+            # one (or the lane was mis-named): it must not run as the tenant it claims.
+            self.log.error("queue_message_forbidden", subject=qmsg.subject, error=refusal)
+            await qmsg.term()
+            return
         with tracing.span_from(qmsg.headers, "router.dispatch", request_id=rid, tenant=req.tenant) as sp, \
                 structlog.contextvars.bound_contextvars(request_id=rid, tenant=req.tenant):
             delivered = int(qmsg.metadata.num_delivered)
@@ -1153,8 +1231,10 @@ class RouterService(Service):
         log = self.log.bind(request_id=req.request_id, tenant=req.tenant)
         now = time.monotonic()
         views = [self._view(hb) for hb in self.registry.live("decode", now) + self.registry.live("prefill", now)]
+        salt = self._cache_salt(req)
         rreq = RoutingRequest(request_id=req.request_id, tenant=req.tenant, token_ids=ids,
-                              session_key=req.session_id, force_route=None if req.route == "auto" else req.route)
+                              session_key=req.session_id, force_route=None if req.route == "auto" else req.route,
+                              cache_salt=salt)
         try:
             decision = self.policy.decide(rreq, views, now)
         except NoWorkers as exc:
@@ -1176,7 +1256,7 @@ class RouterService(Service):
             stream_subject=req.stream_subject, route=route, decoder_id=decision.decoder,
             prefill_worker=decision.prefiller, created_ms=req.created_ms, routed_ms=now_ms(),
             deadline_ms=req.deadline_ms, decision={**decision.to_dict(), "router": self.worker_id},
-            stream=req.stream,
+            stream=req.stream, cache_salt=salt,
         )
         charge = len(ids) + req.sampling.max_tokens
         inf = Inflight(request_id=req.request_id, tenant=req.tenant, stream_subject=req.stream_subject,
@@ -1302,7 +1382,14 @@ class RouterService(Service):
             return
         now = time.monotonic()
         live = self.registry.live("decode", now) + self.registry.live("prefill", now)
-        await self.b.respond(msg, explain.answer(self.worker_id, self.policy, req, ids, live, self._view, now))
+        await self.b.respond(msg, explain.answer(self.worker_id, self.policy, req, ids, live, self._view, now,
+                                                 cache_salt=self.tenants.cache_salt(req.tenant, req.cache_salt)))
+
+    def _cache_salt(self, req: GenerateRequest) -> str:
+        """The salt keying this request's prefix-cache blocks (index lookups here, the workers' stores and KV
+        events): from the tenant the router trusts (``req.tenant``, the one its subject is authorised for) and
+        the request's own optional salt, never from the request alone (``TenantsConfig.cache_salt``)."""
+        return self.tenants.cache_salt(req.tenant, req.cache_salt)
 
     @staticmethod
     def _view(hb: Heartbeat) -> WorkerView:

@@ -145,7 +145,13 @@ class SharedQuota:
             e = await self.kv.get(tenant)
         except KeyNotFoundError:
             return None, 0
-        u = proto.decode(e.value or b"", TenantUsage)
+        try:
+            u = proto.decode(e.value or b"", TenantUsage)
+        except proto.ProtocolError as exc:
+            # Not a record any router wrote (a corrupt value): refusing every request of the tenant until someone
+            # repairs it would wedge it, so it counts as no usage and the next write replaces it.
+            log.error("quota_record_corrupt", tenant=tenant, revision=e.revision, error=exc.message[:200])
+            return None, int(e.revision or 0)
         return u.model_dump(include={"inflight", "settled", "finishes"}), int(e.revision or 0)
 
     async def _flush(self, tenant: str) -> None:

@@ -34,6 +34,36 @@ class PromptTokenizer:
         # top of rendering). The router tokenizes every request, so it calls the Rust one directly, but only
         # once it has given the very same ids as transformers on this tokenizer (checked here).
         self._rust, self._rust_chat = self._rust_if_same()
+        self.max_token_bytes = self._max_token_bytes()
+
+    def _max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token covers: the longest vocabulary entry as spelled
+        in the vocabulary (byte-level BPE spells each byte as one character of 1-2 UTF-8 bytes, SentencePiece's
+        '▁' is 3 bytes for one space, byte fallbacks are 6 characters for one byte: each spelling is at least as
+        long as the text it covers). A normaliser could shrink text before tokenizing, so then 4x slack."""
+        try:
+            longest = max(len(tok.encode("utf-8")) for tok in self.tok.get_vocab())
+        except Exception:
+            return 1 << 20  # no vocabulary to read: no bound (every prompt is tokenized)
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        normalizer = getattr(backend, "normalizer", None) if backend is not None else None
+        return max(1, longest * (4 if normalizer is not None else 1))
+
+    @staticmethod
+    def text_bytes(req: GenerateRequest) -> int:
+        """The UTF-8 size of what would be tokenized (0 for pre-tokenized prompts)."""
+        if req.prompt is not None:
+            return len(req.prompt.encode("utf-8"))
+        if req.messages is not None:
+            return sum(len(m.content.encode("utf-8")) for m in req.messages)
+        return 0
+
+    def min_tokens(self, req: GenerateRequest) -> int:
+        """A lower bound on the request's prompt tokens, computed without tokenizing (bytes / the most bytes one
+        token covers): a prompt whose bound is over a limit is refused before any tokenizer work."""
+        if req.prompt_token_ids is not None:
+            return len(req.prompt_token_ids)
+        return self.text_bytes(req) // self.max_token_bytes
 
     def _rust_if_same(self) -> tuple[Any, bool]:
         rust = getattr(self.tok, "backend_tokenizer", None)

@@ -47,6 +47,7 @@ log = structlog.get_logger("splitserve.router.queue")
 
 NUM_CLASSES = 3  # priority 0-3 -> p0, 4-7 -> p1, 8-9 -> p2
 PULL_TIMEOUT_S = 2.0  # a no-wait pull is answered at once; this only bounds a lost answer
+_CLASS_TOKENS = frozenset(f"p{k}" for k in range(NUM_CLASSES))  # the last token of a lane's subject
 
 
 async def pull_now(sub: JetStreamContext.PullSubscription, want: int) -> list[Msg]:
@@ -220,7 +221,9 @@ class WorkQueue:
             return
         for subject in (info.state.subjects or {}):
             parts = subject.split(".")
-            if len(parts) == 4 and parts[3].startswith("p") and parts[3][1:].isdigit():
+            # Only the priority classes' lanes: fetch() pulls from those alone, so a lane beyond them (a message
+            # on ss.q.T.p7, which no router writes) would count as waiting forever and dispatch would spin on it.
+            if len(parts) == 4 and parts[3] in _CLASS_TOKENS:
                 with contextlib.suppress(Exception):
                     await self.lane(parts[2], int(parts[3][1:]))
         now = time.monotonic()

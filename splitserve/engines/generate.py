@@ -29,6 +29,8 @@ class GenRequest:
     max_tokens: int
     stop_token_ids: tuple[int, ...] = ()  # stop after emitting one of these (usually the model's EOS ids)
     kv_transfer_params: dict[str, Any] | None = None  # the connector's params (see the module doc)
+    # Scopes the engine's own prefix cache (vLLM's ``cache_salt``): the router's per-tenant / cache-group salt.
+    cache_salt: str | None = None
 
 
 @dataclass

@@ -273,10 +273,12 @@ class VllmEngine(GenerateEngine):
         if len(req.prompt_token_ids) >= self.info.max_model_len:
             raise PromptTooLong(len(req.prompt_token_ids), self.info.max_model_len)
         params = self.sampling_params(req)
+        prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
+        if req.cache_salt:  # vLLM mixes it into the first block's hash: its prefix cache is per salt
+            prompt["cache_salt"] = req.cache_salt
         finished = False
         try:
-            async for out in self.llm.generate({"prompt_token_ids": list(req.prompt_token_ids)}, params,
-                                               req.request_id):
+            async for out in self.llm.generate(prompt, params, req.request_id):
                 comp = out.outputs[0] if out.outputs else None
                 finished = bool(out.finished)
                 yield GenOutput(

@@ -335,13 +335,13 @@ class Bus:
         return proto.decode(resp.data, reply_model)
 
     async def reply_error(self, msg: Msg, code: ErrorCode, message: str, request_id: str | None = None) -> None:
-        if not msg.reply:
+        if not reply_allowed(msg.reply):
             return
         err = StreamError(request_id=request_id, code=code, message=message)
         await self.nc.publish(msg.reply, proto.encode(err), headers=proto.headers_for(err))
 
     async def respond(self, msg: Msg, reply: BaseModel) -> None:
-        if msg.reply:
+        if reply_allowed(msg.reply):
             await self.nc.publish(msg.reply, self._payload(reply), headers=proto.headers_for(reply))
 
     async def subscribe(
@@ -352,9 +352,13 @@ class Bus:
         *,
         queue: str = "",
         concurrent: bool = False,
+        scoped: bool = False,
     ) -> Subscription:
         """Subscribe with decoding and error handling. ``concurrent`` runs each message in its own task
-        (the handler must then bound its own concurrency)."""
+        (the handler must then bound its own concurrency). ``scoped``: the subject names a tenant (and maybe a
+        request: ``proto.subjects.subject_identity``), and the message's own ``tenant`` / ``request_id`` must be
+        those, else it is refused with ``forbidden`` before the handler sees it. This is where a service learns
+        who sent a message: nats-server binds a tenant's credentials to its subjects, not to what a body says."""
 
         async def run(decoded: M, raw: Msg) -> None:
             try:
@@ -363,7 +367,15 @@ class Bus:
                 log.exception("handler_failed", subject=raw.subject, error=str(exc))
                 await self.reply_error(raw, ErrorCode.INTERNAL, f"{self.name}: internal error: {exc}")
 
+        limit: int | None = getattr(model, "MAX_BYTES", None)  # a message type's own size bound, checked unread
+
         async def cb(raw: Msg) -> None:
+            if limit is not None and len(raw.data) > limit:
+                log.warning("bad_message", subject=raw.subject, code=str(ErrorCode.PAYLOAD_TOO_LARGE),
+                            error=f"{len(raw.data):,} bytes", has_reply=bool(raw.reply))
+                await self.reply_error(raw, ErrorCode.PAYLOAD_TOO_LARGE, f"{self.name}: a {model.__name__} is at "
+                                       f"most {limit:,} bytes; this one is {len(raw.data):,}")
+                return
             try:
                 decoded = proto.decode(raw.data, model)
             except proto.ProtocolError as exc:
@@ -372,6 +384,10 @@ class Bus:
                     has_reply=bool(raw.reply),
                 )
                 await self.reply_error(raw, exc.code, f"{self.name}: {exc.message}")
+                return
+            if scoped and (refusal := identity_refusal(raw.subject, decoded)) is not None:
+                log.warning("forbidden_message", subject=raw.subject, error=refusal)
+                await self.reply_error(raw, ErrorCode.FORBIDDEN, f"{self.name}: {refusal}")
                 return
             if concurrent:
                 self.spawn(run(decoded, raw))
@@ -398,6 +414,35 @@ class Bus:
         except Exception:
             with contextlib.suppress(Exception):
                 await self.nc.close()
+
+
+def reply_allowed(reply: str | None) -> bool:
+    """Whether a service may answer on a message's reply subject. The sender chooses it, and nats-server does
+    not check a reply subject against the sender's rights, while the answer goes out with the service's: a
+    reply subject of ``$KV.SS_QUOTA.B`` would have a router overwrite tenant B's quota record. Every client
+    (nats-py's request, a tenant's ``_INBOX.{tenant}`` prefix) replies into an inbox, so only inboxes are
+    answered."""
+    if not reply or not reply.startswith("_INBOX.") or len(reply) > 256:
+        return False
+    return not any(c in reply for c in " \t\r\n*>")
+
+
+def identity_refusal(subject: str, msg: BaseModel) -> str | None:
+    """Why ``msg`` may not be taken from ``subject`` (its tenant or request id differs from the subject's), or
+    None when they agree."""
+    try:
+        tenant, rid = proto.subject_identity(subject)
+    except ValueError as exc:
+        return str(exc)
+    claimed = getattr(msg, "tenant", None)
+    if claimed is None and isinstance(getattr(msg, "request", None), BaseModel):  # a QueuedRequest
+        claimed = getattr(msg.request, "tenant", None)  # type: ignore[attr-defined]
+    if claimed != tenant:
+        return (f"the message names tenant {str(claimed)[:64]!r} but was sent on {subject!r}, which is tenant "
+                f"{tenant!r}'s: a connection acts only as the tenant its credentials are for")
+    if rid is not None and getattr(msg, "request_id", rid) != rid:
+        return f"the message names request {str(getattr(msg, 'request_id', ''))[:64]!r} but was sent on {subject!r}"
+    return None
 
 
 _TERMINALS = (proto.StreamFinal, proto.StreamError, proto.RequestFinished)

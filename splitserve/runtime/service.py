@@ -28,6 +28,7 @@ from proto import Heartbeat, Subjects, WorkerLoad
 from splitserve.obs.log import configure_logging, get_logger
 from splitserve.obs.tracing import flush_tracing, setup_tracing
 from splitserve.runtime.bus import Bus
+from splitserve.tenancy import natsauth
 from splitserve.tenancy.natsauth import ENV_NKEY_SEED, ENV_PASSWORD, ENV_USER
 
 
@@ -155,10 +156,14 @@ class Service:
     async def run(self) -> None:
         # Credentials come from the supervisor through the environment (``splitserve up --tenants``: one NATS
         # user per service role); without them the server must be running without authentication.
-        self.bus = await Bus.connect(self.nats_url, f"{self.role}:{self.worker_id}",
-                                     user=os.environ.get(ENV_USER) or None,
+        user = os.environ.get(ENV_USER) or None
+        # As its role's user, replies come back on the role's own inbox: the only one its permissions let it
+        # subscribe to (splitserve.tenancy.natsauth.service_inbox).
+        inbox = natsauth.service_inbox(self.role) if (self.role in natsauth.SERVICE_ROLES
+                                                      and user == natsauth.service_user(self.role)) else None
+        self.bus = await Bus.connect(self.nats_url, f"{self.role}:{self.worker_id}", user=user,
                                      password=os.environ.get(ENV_PASSWORD) or None,
-                                     nkey_seed=os.environ.get(ENV_NKEY_SEED) or None)
+                                     nkey_seed=os.environ.get(ENV_NKEY_SEED) or None, inbox_prefix=inbox)
         # After connecting: the embedded span exporter publishes on this connection.
         setup_tracing(self.role, self.worker_id, self.bus)
         hb_task = asyncio.create_task(self._heartbeat_loop())

@@ -30,6 +30,10 @@ from datetime import datetime
 from pathlib import Path
 
 from splitserve.cache.hashing import MOONCAKE_BLOCK_TOKENS, hash_token_blocks, mooncake_block_hashes
+from splitserve.tenancy.config import TenantsConfig
+
+# The salts of a cluster without a tenants file (per tenant name): what the live router gives each request.
+_OPEN = TenantsConfig.open_mode()
 
 __all__ = [
     "DATA_DIR",
@@ -68,7 +72,9 @@ class SimRequest:
     """One request: arrival (s from the start), lengths, tenant, and what identifies its prefix.
 
     ``hash_ids`` (Mooncake) or ``token_ids`` (synthetic) give the prompt's block hashes; with neither the
-    prompt is unique. ``hashes(block_size)`` computes them once per block size."""
+    prompt is unique. ``hashes(block_size)`` computes them once per block size. Token prompts are hashed under
+    their tenant's cache salt, as the live router does without a tenants file (tenants never share cached
+    prefixes); Mooncake rows have no tenant of their own (all "default") and keep the trace's id space."""
 
     request_id: str
     arrival_s: float
@@ -86,7 +92,7 @@ class SimRequest:
         if self._hashes is not None and self._hash_bs == block_size:
             return self._hashes
         if self.token_ids is not None:
-            out = hash_token_blocks(self.token_ids, block_size)
+            out = hash_token_blocks(self.token_ids, block_size, cache_salt=_OPEN.cache_salt(self.tenant))
         elif self.hash_ids:
             if MOONCAKE_BLOCK_TOKENS % block_size:
                 raise WorkloadError(f"block size {block_size} does not divide the Mooncake block (512 tokens)")

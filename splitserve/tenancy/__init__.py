@@ -4,6 +4,20 @@ Everything here is pure and synchronous (no NATS, no engine): the router, the be
 the very same objects.
 """
 
-from splitserve.tenancy.config import TenantLimits, TenantsConfig, TenantSpec, load_tenants
+from splitserve.tenancy.config import (
+    MAX_REQUEST_CACHE_SALT,
+    TenantLimits,
+    TenantsConfig,
+    TenantSpec,
+    combine_cache_salt,
+    load_tenants,
+)
 
-__all__ = ["TenantLimits", "TenantSpec", "TenantsConfig", "load_tenants"]
+__all__ = [
+    "MAX_REQUEST_CACHE_SALT",
+    "TenantLimits",
+    "TenantSpec",
+    "TenantsConfig",
+    "combine_cache_salt",
+    "load_tenants",
+]

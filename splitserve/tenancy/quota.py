@@ -30,6 +30,13 @@ WINDOW_S = 60.0
 MAX_FINISHES = 64  # recent finish times kept for the retry-after estimate
 
 
+def _finite(at: Any, now: float) -> float:
+    """A snapshot's time as read: an infinite or NaN one (no router writes it: a corrupt record) would never leave
+    the window, and cannot be exported, so it counts from now instead."""
+    t = float(at)
+    return t if math.isfinite(t) else now
+
+
 @dataclass(frozen=True)
 class Refusal:
     code: str  # "unknown_tenant" | "quota_exceeded" | "prompt_too_long" | "bad_request"
@@ -216,15 +223,16 @@ class QuotaBook:
             return
         charges: list[_Charge] = []
         for rid, (at, tokens) in snapshot.get("inflight", {}).items():
-            c = _Charge(float(at), int(tokens), request_id=rid)
+            c = _Charge(_finite(at, now), int(tokens), request_id=rid)
             u.inflight[rid] = c
             charges.append(c)
-        charges += [_Charge(float(at), int(tokens)) for at, tokens in snapshot.get("settled", [])]
+        charges += [_Charge(_finite(at, now), int(tokens)) for at, tokens in snapshot.get("settled", [])]
         charges.sort(key=lambda c: c.at)
         for c in charges:
             u.window.append(c)
             u.window_total += c.tokens
-        u.finish_times.extend(sorted(float(t) for t in snapshot.get("finishes", []))[-MAX_FINISHES:])
+        u.finish_times.extend(sorted(float(t) for t in snapshot.get("finishes", []) if math.isfinite(float(t)))
+                              [-MAX_FINISHES:])
         self._expire(u, now)
 
     def stale(self, tenant: str, older_than_s: float, now: float) -> list[str]:

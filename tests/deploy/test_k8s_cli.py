@@ -5,6 +5,7 @@ overlay, PromQL that parses and names series the front door really exports)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 import subprocess
@@ -23,7 +24,7 @@ from splitserve.natsserver import start_nats
 from splitserve.obs.metrics import ClusterMetrics
 from splitserve.runtime.bus import Bus, NotAuthorized
 from splitserve.tenancy import natsauth
-from splitserve.tenancy.config import load_tenants
+from splitserve.tenancy.config import TenantsConfig, load_tenants
 from tests.deploy.conftest import EXAMPLE_TENANTS, K8S, ROOT
 
 
@@ -50,10 +51,18 @@ def test_secrets_cli_prints_every_secret_and_keeps_passwords_across_runs(tmp_pat
     docs = [d for d in yaml.safe_load_all(first.stdout) if d]
     names = secrets_by_name(docs)
     roles = {k8s.role_secret_name(r) for r in natsauth.SERVICE_ROLES}
-    assert set(names) == {k8s.AUTH_SECRET, k8s.TENANTS_SECRET, *roles, "splitserve-tenant-batch",
-                          "splitserve-tenant-search"}
+    assert set(names) == {k8s.AUTH_SECRET, k8s.TENANTS_SECRET, k8s.FRONTEND_TENANTS_SECRET, *roles,
+                          "splitserve-tenant-batch", "splitserve-tenant-search"}
     assert all(d["metadata"]["namespace"] == "ns1" and d["type"] == "Opaque" for d in docs)
-    assert names[k8s.TENANTS_SECRET][k8s.TENANTS_KEY] == EXAMPLE_TENANTS.read_text()
+    # The services' tenants files: the same tenants and limits, no NATS credentials; API keys for front doors.
+    full = load_tenants(EXAMPLE_TENANTS)
+    for secret, keys in ((k8s.TENANTS_SECRET, False), (k8s.FRONTEND_TENANTS_SECRET, True)):
+        cfg = TenantsConfig.model_validate(yaml.safe_load(names[secret][k8s.TENANTS_KEY]))
+        assert cfg.defaults == full.defaults and set(cfg.tenants) == set(full.tenants)
+        for name, spec in cfg.tenants.items():
+            assert spec.password is None and spec.nkey is None
+            assert spec.weight == full.tenants[name].weight
+            assert spec.api_keys == (full.tenants[name].api_keys if keys else [])
     search = names["splitserve-tenant-search"]
     assert search["OPENAI_API_KEY"] == "sk-search-example-1"
     assert search["OPENAI_BASE_URL"] == "http://frontend.ns1.svc/v1"
@@ -93,8 +102,20 @@ async def test_secrets_log_in_to_a_real_nats_server_and_nothing_else_does(tmp_pa
     try:
         for role in natsauth.SERVICE_ROLES:
             creds = docs[k8s.role_secret_name(role)]
-            bus = await Bus.connect(srv.url, role, user=creds["user"], password=creds["password"])
-            await bus.close()
+            inbox = None if role == natsauth.ADMIN_ROLE else natsauth.service_inbox(role)
+            bus = await Bus.connect(srv.url, role, user=creds["user"], password=creds["password"],
+                                    inbox_prefix=inbox)
+            try:  # each Secret carries its role's rights: the work queue is the routers' (and the operator's)
+                await bus.nc.publish("ss.q.alpha.p0", b"{}")
+                for _ in range(25):
+                    await bus.nc.flush()
+                    if bus.denied:
+                        break
+                    await asyncio.sleep(0.02)
+                refused = any(d.subject == "ss.q.alpha.p0" for d in bus.denied)
+                assert refused == (role not in ("router", natsauth.ADMIN_ROLE)), (role, bus.denied)
+            finally:
+                await bus.close()
         for tenant in ("alpha", "beta"):
             creds = docs[k8s.tenant_secret_name(tenant)]
             bus = await Bus.connect(srv.url, tenant, user=creds[natsauth.ENV_USER],
@@ -130,7 +151,8 @@ async def test_lanes_creates_every_consumer_the_triggers_name_and_routers_bind_t
                     if t["type"] == "nats-jetstream"]
         assert sorted(set(triggers)) == sorted(names)
         # a router started afterwards (its own work queue, same ack wait) binds the same consumers
-        bus = await Bus.connect(srv.url, "router-0", user=user, password=password)
+        bus = await Bus.connect(srv.url, "router-0", user=user, password=password,
+                                inbox_prefix=natsauth.service_inbox("router"))  # as the router connects
         try:
             wq = WorkQueue(bus, ack_wait_s=30.0)
             await wq.setup()

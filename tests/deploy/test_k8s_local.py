@@ -118,21 +118,27 @@ async def test_rendered_config_forms_a_jetstream_cluster_keda_can_read(cluster: 
 
 
 def pod_processes(docs: list[dict[str, Any]], secrets: dict[str, dict[str, str]], nats_url: str, root: Path,
-                  http_port: int) -> list[tuple[str, list[str], dict[str, str]]]:
+                  http_port: int, metrics_port: int = 0) -> list[tuple[str, list[str], dict[str, str]]]:
     """Every container of the cpu-dev render (one pod per workload, init containers first) as a local command
     line and environment: the ConfigMap, fieldRefs and Secret references resolved as the kubelet would, the
     mounted files laid out under ``root``. Only what a laptop cannot be is changed: loopback addresses, the
     HTTP port, one NATS URL (the services take one until multi-URL support lands)."""
     cms = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "ConfigMap"}
-    tenants_file = root / "tenants.yaml"
-    tenants_file.write_text(secrets[k8s.TENANTS_SECRET][k8s.TENANTS_KEY])
     out = []
     for d in docs:
         if d["kind"] not in ("Deployment", "StatefulSet") or d["metadata"]["name"] == "nats":
             continue
         pod = f"{d['metadata']['name']}-0"
         spec = d["spec"]["template"]["spec"]
+        # The tenants file each pod mounts: the Secret its own volume names (routers and front doors differ).
+        secret_of = {v["name"]: v["secret"]["secretName"] for v in spec.get("volumes", []) if "secret" in v}
         for c in [*spec.get("initContainers", []), *spec["containers"]]:
+            tenants_file = None
+            for m in c.get("volumeMounts", []):
+                if m["mountPath"] == "/etc/splitserve/tenants":
+                    tenants_file = root / secret_of[m["name"]] / k8s.TENANTS_KEY
+                    tenants_file.parent.mkdir(exist_ok=True)
+                    tenants_file.write_text(secrets[secret_of[m["name"]]][k8s.TENANTS_KEY])
             env: dict[str, str] = {}
             for src in c.get("envFrom", []):
                 env.update(cms[src["configMapRef"]["name"]])
@@ -147,11 +153,19 @@ def pod_processes(docs: list[dict[str, Any]], secrets: dict[str, dict[str, str]]
             home = root / pod
             home.mkdir(exist_ok=True)
             env.update(SPLITSERVE_NATS_URL=nats_url, SPLITSERVE_HOME=str(home), HOME=str(home))
-            args = [re.sub(r"\$\((\w+)\)", lambda m, env=env: env[m.group(1)], a) for a in c.get("args", [])]
-            args = [str(tenants_file) if a == "/etc/splitserve/tenants/tenants.yaml" else a for a in args]
+            def var(m: re.Match[str], env: dict[str, str] = env) -> str:
+                return env[m.group(1)]
+
+            args = [re.sub(r"\$\((\w+)\)", var, a) for a in c.get("args", [])]
+            if "/etc/splitserve/tenants/tenants.yaml" in args:
+                assert tenants_file is not None, f"{pod}/{c['name']} names a tenants file it does not mount"
+                args = [str(tenants_file) if a == "/etc/splitserve/tenants/tenants.yaml" else a for a in args]
             if "--port" in args:
                 args[args.index("--port") + 1] = str(http_port)
                 args[args.index("--host") + 1] = "127.0.0.1"
+            if "--metrics-port" in args:
+                args[args.index("--metrics-port") + 1] = str(metrics_port)
+                args[args.index("--metrics-host") + 1] = "127.0.0.1"
             cmd = c["command"]
             if cmd[0] == "python":
                 argv = [sys.executable, *cmd[1:], *args]
@@ -170,11 +184,11 @@ def test_cpu_dev_pods_serve_a_tenant_through_the_front_door(cluster: dict[str, A
     Secrets), on the rendered NATS cluster: the front door turns ready and answers a tenant who uses nothing
     but its own Secret (API key and URL), and refuses an unknown key."""
     secrets = {**cluster["secrets"]}
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     nats_url = f"nats://127.0.0.1:{cluster['ports'][0][0]}"
     procs: list[tuple[str, subprocess.Popen[bytes], Path]] = []
     try:
-        for name, argv, env in pod_processes(rendered["cpu-dev"], secrets, nats_url, tmp_path, port):
+        for name, argv, env in pod_processes(rendered["cpu-dev"], secrets, nats_url, tmp_path, port, metrics_port):
             log = tmp_path / (name.replace("/", "_") + ".log")
             p = subprocess.Popen(argv, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
                                  preexec_fn=child_preexec)
@@ -208,7 +222,8 @@ def test_cpu_dev_pods_serve_a_tenant_through_the_front_door(cluster: dict[str, A
             assert out["choices"][0]["message"]["content"] and out["usage"]["completion_tokens"] > 0
             bad = http.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-nobody"})
             assert bad.status_code == 401
-            assert http.get("/metrics").status_code == 200
+            assert http.get("/metrics").status_code == 404  # not on the API port: it names every tenant
+            assert http.get(f"http://127.0.0.1:{metrics_port}/metrics").status_code == 200
         ready_logs = {n: log.read_text().count('"ready"') for n, _, log in procs}
         print("ready:", ready_logs)
     finally:

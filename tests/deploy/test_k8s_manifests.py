@@ -17,6 +17,7 @@ import kubernetes_validate
 import pytest
 import typer
 
+from splitserve import k8s
 from splitserve.natsserver import DEFAULT_MAX_PAYLOAD, nats_server_binary
 from splitserve.tenancy import natsauth
 from tests.deploy.conftest import EXAMPLE_TENANTS, K8S, OVERLAYS, kustomize
@@ -283,6 +284,40 @@ def test_every_secret_referenced_is_one_splitserve_k8s_secrets_makes(
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_workload_mounts_only_its_own_secrets(rendered: dict[str, list[dict[str, Any]]], overlay: str,
+                                                   example_secrets: list[dict[str, Any]]) -> None:
+    """Least privilege: a pod gets its own role's NATS user and nothing else; the tenants file (without NATS
+    credentials) only where it is read: limits in the routers, limits and API keys in the front doors."""
+    allowed = {"nats": {k8s.AUTH_SECRET},
+               "router": {k8s.role_secret_name("router"), k8s.TENANTS_SECRET},
+               "frontend": {k8s.role_secret_name("frontend"), k8s.FRONTEND_TENANTS_SECRET},
+               "cache-index": {k8s.role_secret_name("cache_index")},
+               "prefill": {k8s.role_secret_name("prefill")},
+               "decode": {k8s.role_secret_name("decode")}}
+    seen: dict[str, set[str]] = {}
+    for kind in WORKLOADS:
+        for w in by_kind(rendered[overlay], kind).values():
+            name = w["metadata"]["name"]
+            refs: set[str] = set()
+            for c in containers(w):
+                refs |= {e["valueFrom"]["secretKeyRef"]["name"] for e in c.get("env", [])
+                         if "secretKeyRef" in e.get("valueFrom", {})}
+                refs |= {f["secretRef"]["name"] for f in c.get("envFrom", []) if "secretRef" in f}
+            spec = pod_spec(w)
+            refs |= {v["secret"]["secretName"] for v in spec.get("volumes", []) if "secret" in v}
+            refs |= {src["secret"]["name"] for v in spec.get("volumes", [])
+                     for src in v.get("projected", {}).get("sources", []) if "secret" in src}
+            assert name in allowed, f"{overlay}: a workload this test does not know: {name}"
+            assert refs <= allowed[name], f"{overlay}/{name} mounts {sorted(refs - allowed[name])}"
+            seen[name] = refs
+    assert seen == allowed, "every workload mounts what it needs"
+    made = {s["metadata"]["name"]: s["stringData"] for s in example_secrets}
+    assert "password:" not in made[k8s.TENANTS_SECRET][k8s.TENANTS_KEY]
+    assert "api_keys" not in made[k8s.TENANTS_SECRET][k8s.TENANTS_KEY]
+    assert "api_keys" in made[k8s.FRONTEND_TENANTS_SECRET][k8s.TENANTS_KEY]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_container_has_resources_and_every_workload_a_pdb(rendered: dict[str, list[dict[str, Any]]],
                                                                 overlay: str) -> None:
     docs = rendered[overlay]
@@ -330,11 +365,14 @@ async def test_front_door_service_ports_and_probes_hit_the_real_app(rendered: di
     port = int(args[args.index("--port") + 1])
     assert args[args.index("--host") + 1] == "0.0.0.0"
     cports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert cports == {"http": port}
+    mport = int(args[args.index("--metrics-port") + 1])  # /metrics names every tenant: its own port
+    assert cports == {"http": port, "metrics": mport} and mport != port
     assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["http"]
     assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    from services.frontend.app import create_metrics_app
+
     for ready in (True, False):
         app = create_app(_Backend(ready))  # type: ignore[arg-type]
         async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://t") as http:
@@ -343,8 +381,11 @@ async def test_front_door_service_ports_and_probes_hit_the_real_app(rendered: di
                 r = await http.get(c[probe]["httpGet"]["path"])
                 assert r.status_code == want, (probe, ready, r.text)
             ann = dep["spec"]["template"]["metadata"]["annotations"]
+            assert (await http.get(ann["prometheus.io/path"])).status_code == 404  # not on the API port
+            assert ann["prometheus.io/port"] == str(mport)
+        metrics_app = create_metrics_app(_Backend(ready), app)  # type: ignore[arg-type]
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=metrics_app), base_url="http://t") as http:
             assert (await http.get(ann["prometheus.io/path"])).status_code == 200
-            assert ann["prometheus.io/port"] == str(port)
 
 
 def test_cpu_dev_runs_the_hf_engine_on_small_pools(rendered: dict[str, list[dict[str, Any]]]) -> None:

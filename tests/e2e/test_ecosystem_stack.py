@@ -127,7 +127,7 @@ def test_metrics_by_vllms_names(stack: StackProc, client: openai.OpenAI, model: 
     client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0)
     deadline = time.monotonic() + 10
     while True:  # RequestFinished reaches the front door asynchronously
-        text = httpx2.get(f"{stack.http_url}/metrics").text
+        text = httpx2.get(str(stack.metrics_url)).text  # its own loopback port, not the API's
         if f'splitserve:generation_tokens_total{{model_name="{model}"}}' in text or time.monotonic() > deadline:
             break
         time.sleep(0.3)

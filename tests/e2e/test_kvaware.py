@@ -59,14 +59,17 @@ def test_index_service_sees_the_workers_blocks(stack: StackProc) -> None:
     import proto
     from services.router.tokenize import PromptTokenizer
     from splitserve.cache.hashing import hash_token_blocks
+    from splitserve.tenancy import TenantsConfig
 
-    ids = PromptTokenizer(None).token_ids(proto.GenerateRequest(request_id="x", tenant="t", stream_subject="s",
+    ids = PromptTokenizer(None).token_ids(proto.GenerateRequest(request_id="x", tenant="t",
                                                                 prompt=PROMPT))
 
     async def go() -> dict[str, int]:
         nc = await nats.connect(stack.nats_url)
         try:
-            q = proto.CacheQuery(block_hashes=hash_token_blocks(ids, 16))
+            # the blocks are keyed by the requesting tenant's salt (the client's default tenant here)
+            salt = TenantsConfig.open_mode().cache_salt("default")
+            q = proto.CacheQuery(block_hashes=hash_token_blocks(ids, 16, cache_salt=salt))
             resp = await nc.request(proto.Subjects.CACHE_QUERY, proto.encode(q), timeout=5)
             return proto.decode(resp.data, proto.CacheQueryReply).matched_blocks
         finally:

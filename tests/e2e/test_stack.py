@@ -97,7 +97,7 @@ def test_disaggregated_equals_direct_equals_transformers(stack: StackProc) -> No
     assert disagg["token_ids"] == direct_res["token_ids"]
     from services.router.tokenize import PromptTokenizer
 
-    ids = PromptTokenizer(None).token_ids(proto.GenerateRequest(request_id="x", tenant="t", stream_subject="s",
+    ids = PromptTokenizer(None).token_ids(proto.GenerateRequest(request_id="x", tenant="t",
                                                                 prompt=LONG))
     assert disagg["usage"]["prompt_tokens"] == len(ids)
     assert disagg["token_ids"] == _reference_greedy(ids, int(n))[: len(disagg["token_ids"])]

@@ -169,26 +169,29 @@ async def test_request_id_header_is_used_when_valid(http: httpx2.AsyncClient, ba
 
 async def test_auth(tmp_path: Path, backend: FakeBackend) -> None:
     keys = tmp_path / "keys.yaml"
-    keys.write_text("sk-alpha: acme\nsk-beta: globex\n")
+    keys.write_text("sk-alpha-0123456789: acme\nsk-beta-0123456789: globex\n")
     app = create_app(backend, api_keys=load_api_keys(keys))
     async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://t") as c:
-        for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Basic sk-alpha"}):
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Basic sk-alpha-0123456789"},
+                        {"Authorization": "Bearer  sk-alpha-0123456789"},
+                        {"Authorization": "Bearersk-alpha-0123456789"}):
             r = await c.post("/v1/chat/completions", json=CHAT, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         # Auth is checked before the body: a bad key with a bad body is still 401.
         r = await c.post("/v1/chat/completions", json={"n": 2}, headers={"Authorization": "Bearer nope"})
         assert r.status_code == 401
         assert (await c.get("/v1/models")).status_code == 401
-        r = await c.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer sk-beta"})
+        r = await c.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "bearer sk-beta-0123456789"})
         assert r.status_code == 200 and backend.calls[-1][1] == "globex"
         assert (await c.get("/healthz")).status_code == 200  # probes need no key
 
 
 def test_api_key_files(tmp_path: Path) -> None:
     p = tmp_path / "keys.json"
-    p.write_text(json.dumps({"k1": "t1"}))
-    assert load_api_keys(p) == {"k1": "t1"}
-    for bad in ("[1, 2]", "{}", '{"k": "no.dots"}', '{"k": 3}'):
+    p.write_text(json.dumps({"k1-0123456789abcdef": "t1"}))
+    assert load_api_keys(p) == {"k1-0123456789abcdef": "t1"}
+    for bad in ("[1, 2]", "{}", '{"k-0123456789abcdef": "no.dots"}', '{"k-0123456789abcdef": 3}', '{"k1": "t1"}',
+                '{"k-0123456789abcdef\\n": "t1"}', '{"k-0123 456789abcdef": "t1"}'):
         p.write_text(bad)
         with pytest.raises(ValueError):
             load_api_keys(p)

@@ -26,7 +26,7 @@ from proto import (
     WorkerLoad,
 )
 from services.frontend import console
-from services.frontend.app import create_app
+from services.frontend.app import AuthThrottle, create_app
 from services.frontend.console_data import ConsoleData
 from splitserve.natsserver import NatsServer
 from splitserve.obs import tracing
@@ -105,7 +105,8 @@ def metrics() -> ClusterMetrics:
 
 
 def make(nc: Any, *, keys: dict[str, str] | None = KEYS, admins: list[str] | None = None) -> tuple[Any, ConsoleData]:
-    app = create_app(FakeBackend(), api_keys=keys)
+    # A generous failed-key budget: these tests send many wrong keys on purpose (throttling has its own test).
+    app = create_app(FakeBackend(), api_keys=keys, auth_throttle=AuthThrottle(allowed=10_000))
     tenants = TenantsConfig.model_validate({"defaults": {"tokens_per_minute": 1000},
                                             "tenants": {"A": {"max_inflight": 8}, "B": {}}})
     data = ConsoleData(metrics(), lambda: nc, tenants=tenants)

@@ -159,7 +159,7 @@ def test_disconnect_mid_stream_leaves_the_server_healthy(stack: StackProc, model
 
 def test_api_keys_401_and_tenant(stack: StackProc, model: str, tmp_path: Path) -> None:
     keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps({"sk-test-1": "acme"}))
+    keys.write_text(json.dumps({"sk-test-1-0123456789": "acme"}))
     port = free_port()
     p = spawn_service("services.frontend", "--api-keys", str(keys), "--port", str(port), nats_url=stack.nats_url,
                       worker_id="frontend-keys", log_dir=tmp_path / "logs")
@@ -178,7 +178,7 @@ def test_api_keys_401_and_tenant(stack: StackProc, model: str, tmp_path: Path) -
         with pytest.raises(openai.AuthenticationError) as ei:
             bad.chat.completions.create(model=model, messages=PARIS, max_tokens=2)
         assert ei.value.status_code == 401
-        good = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test-1", max_retries=0, timeout=120)
+        good = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test-1-0123456789", max_retries=0, timeout=120)
         res = good.chat.completions.create(model=model, messages=PARIS, max_tokens=2)
         assert res.usage is not None and res.usage.completion_tokens >= 1
     finally:
@@ -196,7 +196,8 @@ def test_metrics_and_top_show_the_cluster(stack: StackProc, client: openai.OpenA
     client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4)
     deadline = time.monotonic() + 30
     while True:
-        text = httpx2.get(f"{stack.http_url}/metrics").text
+        assert stack.metrics_url  # /metrics is on its own loopback port, not the API's
+        text = httpx2.get(stack.metrics_url).text
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                    for fam in text_string_to_metric_families(text) for s in fam.samples}
         ttft = sum(v for (name, lab), v in samples.items()

@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import proto
 from services.frontend import openai_api as oa
-from services.frontend.app import SESSION_HEADER, create_app
+from services.frontend.app import SESSION_HEADER, create_app, create_metrics_app
 from splitserve.client import Delta
 from tests.frontend.fakes import MODEL, FakeBackend, FakeStream, Script, make_result
 
@@ -62,7 +62,6 @@ NON_NEUTRAL: dict[str, Any] = {
     "store": True,
     "return_tokens_as_token_ids": True,
     "kv_transfer_params": {"do_remote_decode": True},
-    "cache_salt": "s",
     "chat_template": "{{ x }}",
     "chat_template_kwargs": {"enable_thinking": True},
     "continue_final_message": True,
@@ -107,6 +106,20 @@ async def test_neutral_values_of_unsupported_fields_pass(http: httpx2.AsyncClien
     r = await http.post("/v1/chat/completions", json={**CHAT, **NEUTRAL})
     assert r.status_code == 200, r.text
     assert len(backend.calls) == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_cache_salt_is_passed_through(http: httpx2.AsyncClient, backend: FakeBackend, path: str) -> None:
+    """vLLM's ``cache_salt`` reaches the request (the router combines it with the tenant's own salt)."""
+    r = await http.post(path, json={**(CHAT if "chat" in path else COMPLETION), "cache_salt": "conversation-7"})
+    assert r.status_code == 200, r.text
+    args = backend.calls[-1][0]
+    assert args.cache_salt == "conversation-7" and args.client_kwargs()["cache_salt"] == "conversation-7"
+    r = await http.post(path, json=CHAT if "chat" in path else COMPLETION)
+    assert "cache_salt" not in backend.calls[-1][0].client_kwargs()  # none sent: the request is unchanged
+    for bad in ("", "x" * 257):
+        r = await http.post(path, json={**(CHAT if "chat" in path else COMPLETION), "cache_salt": bad})
+        assert r.status_code == 400, r.text
 
 
 async def test_unknown_fields_are_ignored_and_logged_once(http: httpx2.AsyncClient) -> None:
@@ -195,9 +208,14 @@ async def test_logprobs_shapes_through_the_openai_client(backend: FakeBackend, m
     await http.aclose()
 
 
-async def test_front_door_http_metrics(http: httpx2.AsyncClient) -> None:
-    await http.post("/v1/chat/completions", json=CHAT)
-    text = (await http.get("/metrics")).text
+async def test_front_door_http_metrics(backend: FakeBackend) -> None:
+    app = create_app(backend)
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://t") as http:
+        await http.post("/v1/chat/completions", json=CHAT)
+        assert (await http.get("/metrics")).status_code == 404  # not on the API port
+    metrics = create_metrics_app(backend, app)  # /metrics is served on its own port (not the API's)
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=metrics), base_url="http://t") as m:
+        text = (await m.get("/metrics")).text
     assert 'http_requests_total{handler="/v1/chat/completions",method="POST",status="2xx"} 1.0' in text
     assert "http_request_duration_seconds_bucket" in text
     assert "splitserve_requests_total" in text  # the backend's cluster series are still there

@@ -123,7 +123,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatsServer
         spawn_service("services.prefill", "--engine", "mock", "--transport", "tcp", nats_url=srv.url,
                       worker_id=PRE, log_dir=logs, env=env),
         spawn_service("services.cache_index", nats_url=srv.url, worker_id="cache-index-f", log_dir=logs),
-        spawn_service("services.frontend", "--port", "0", nats_url=srv.url, worker_id="frontend-f", log_dir=logs),
+        spawn_service("services.frontend", "--port", "0", "--docs", nats_url=srv.url, worker_id="frontend-f",
+                      log_dir=logs),  # --docs: the fuzzer reads /openapi.json (off by default)
     ]
     loop = asyncio.new_event_loop()
     try:

@@ -129,12 +129,13 @@ def test_tenant_auth_config_holds_on_every_node(tmp_path: Path) -> None:
 
     secrets = {r: f"service-secret-{r}" for r in SERVICE_ROLES}
     conf = nats_auth_config(TenantsConfig.model_validate({"tenants": {"A": {"password": "password-of-a"}}}), secrets)
-    cluster = start_nats_cluster(tmp_path / "c", 3, extra_config=conf, user=service_user("router"),
-                                 password=secrets["router"])
+    # The operator: the only user that may make an arbitrary stream (PROBE) and call $JS.API.INFO.
+    cluster = start_nats_cluster(tmp_path / "c", 3, extra_config=conf, user=service_user("admin"),
+                                 password=secrets["admin"])
 
     async def check() -> None:
         for i, url in enumerate(cluster.urls):
-            svc = await nats.connect(url, user=service_user("router"), password=secrets["router"])
+            svc = await nats.connect(url, user=service_user("admin"), password=secrets["admin"])
             tenant = await nats.connect(url, user="A", password="password-of-a", inbox_prefix="_INBOX.A")
             denied: list[Exception] = []
 

@@ -89,8 +89,7 @@ async def _replay(
         elif kind == "route":
             _, _, rid, tenant, ids, max_tokens, sim_decision = entry
             req = proto.GenerateRequest(request_id=rid, tenant=tenant, prompt_token_ids=ids,
-                                        sampling=proto.SamplingParams(max_tokens=max_tokens),
-                                        stream_subject=f"ss.stream.{rid}")
+                                        sampling=proto.SamplingParams(max_tokens=max_tokens))
             before = len(bus.published)
             inf = await svc._route(req, list(ids), None, span)
             assert inf is not None

@@ -22,7 +22,7 @@ from splitserve.client import Client
 from splitserve.natsserver import NatsServer, start_nats
 from splitserve.runtime.bus import Bus
 from splitserve.tenancy.config import TenantsConfig
-from splitserve.tenancy.natsauth import SERVICE_ROLES, nats_auth_config, service_user, tenant_inbox
+from splitserve.tenancy.natsauth import SERVICE_ROLES, nats_auth_config, service_inbox, service_user, tenant_inbox
 
 PW_A, PW_B = "password-of-a", "password-of-b"
 SECRETS = {r: f"service-secret-{r}" for r in SERVICE_ROLES}
@@ -59,7 +59,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 async def router(cluster: Cluster) -> AsyncIterator[NATS]:
     """The router's service user: creates SS_RESULTS with direct get (as the real router does) and answers
     ``ss.req.A`` with Accepted."""
-    nc = await nats.connect(cluster.srv.url, user=service_user("router"), password=SECRETS["router"])
+    nc = await nats.connect(cluster.srv.url, user=service_user("router"), password=SECRETS["router"],
+                            inbox_prefix=service_inbox("router"))  # the only inbox the router's user may read
     js = nc.jetstream()
     await js.add_stream(StreamConfig(name=proto.Subjects.RESULTS_STREAM, subjects=[proto.Subjects.RESULTS_ALL],
                                      allow_direct=True))
@@ -245,8 +246,9 @@ async def test_tenant_direct_gets_its_own_result(cluster: Cluster, router: NATS,
     assert tenant_a.errors == []
 
 
-async def test_service_user_may_do_everything(cluster: Cluster, router: NATS) -> None:
-    bus = await Bus.connect(cluster.srv.url, "svc", user=service_user("decode"), password=SECRETS["decode"])
+async def test_operator_may_do_everything(cluster: Cluster, router: NATS) -> None:
+    # Only the operator: every other service role has least privilege (tests/security/test_role_rights.py).
+    bus = await Bus.connect(cluster.srv.url, "svc", user=service_user("admin"), password=SECRETS["admin"])
     try:
         sub = await bus.nc.subscribe(">")
         await bus.nc.publish("ss.q.A.p0", b"q")

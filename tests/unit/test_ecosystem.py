@@ -84,7 +84,7 @@ def test_gen_ai_attributes_of_a_request() -> None:
     from splitserve.obs import tracing
 
     req = GenerateRequest(request_id="r1", tenant="t", messages=[{"role": "user", "content": "hi"}],
-                          stream_subject="s", model="m", sampling=SamplingParams(max_tokens=7, temperature=0.5))
+                          model="m", sampling=SamplingParams(max_tokens=7, temperature=0.5))
     a = tracing.gen_ai_of(req)
     assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == "m"
     assert a["gen_ai.request.max_tokens"] == 7 and a["gen_ai.request.temperature"] == 0.5
@@ -153,7 +153,7 @@ def test_plain_text_prompts_get_bos_when_the_tokenizer_adds_one() -> None:
     from services.router.tokenize import PromptTokenizer
 
     t = PromptTokenizer(None)
-    req = GenerateRequest(request_id="r", tenant="t", prompt="Hello", stream_subject="s")
+    req = GenerateRequest(request_id="r", tenant="t", prompt="Hello")
     assert t.token_ids(req) == t.tok("Hello")["input_ids"]  # SmolLM2's tokenizer adds no BOS
     t.tok.add_bos_token = True  # a Llama-style tokenizer: BOS first, as vLLM's server sends it
     ids = t.token_ids(req)

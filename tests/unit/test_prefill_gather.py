@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from services.prefill.service import PrefillGather
+from services.prefill.service import BatchItem, PrefillGather
 from splitserve.engines import PrefillResult, PromptTooLong, Sampling
 
 GREEDY = Sampling()
@@ -17,13 +17,15 @@ GREEDY = Sampling()
 class FakeEngineCalls:
     def __init__(self) -> None:
         self.calls: list[list[list[int]]] = []
+        self.salts: list[list[str | None]] = []
 
-    async def __call__(self, items: list[tuple[list[int], Sampling]]) -> list[PrefillResult | BaseException]:
-        self.calls.append([ids for ids, _ in items])
+    async def __call__(self, items: list[BatchItem]) -> list[PrefillResult | BaseException]:
+        self.calls.append([ids for ids, _, _ in items])
+        self.salts.append([salt for _, _, salt in items])
         await asyncio.sleep(0)
         return [PromptTooLong(len(ids), 4) if len(ids) >= 4 else
                 PrefillResult(first_token=sum(ids), kv=torch.zeros(1), num_computed_tokens=len(ids))
-                for ids, _ in items]
+                for ids, _, _ in items]
 
 
 def test_jobs_started_together_make_one_call_and_errors_stay_per_job() -> None:
@@ -72,3 +74,16 @@ def test_a_slow_job_prefills_alone_later(wait_s: float) -> None:
 
     assert asyncio.run(main()) == [1, 2, 3]
     assert calls.calls == [[[1], [2]], [[3]]]
+
+
+def test_each_prompt_of_a_batch_keeps_its_own_cache_salt() -> None:
+    """Jobs of different tenants can share a forward, but each prompt's prefix reuse stays in its own salt."""
+    calls = FakeEngineCalls()
+
+    async def main() -> None:
+        gather = PrefillGather(["a", "b", "late"], calls)
+        await asyncio.gather(gather.prefill("a", [1], GREEDY, "t:A"), gather.prefill("b", [2], GREEDY, "t:B"))
+        await gather.prefill("late", [3], GREEDY, "g:shared")  # after the batch closed: alone, salt kept
+
+    asyncio.run(main())
+    assert calls.salts == [["t:A", "t:B"], ["g:shared"]]

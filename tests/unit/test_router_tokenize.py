@@ -21,7 +21,7 @@ def tok() -> PromptTokenizer:
 
 
 def _req(**kw: Any) -> GenerateRequest:
-    return GenerateRequest(request_id="r", tenant="t", stream_subject="s", **kw)
+    return GenerateRequest(request_id="r", tenant="t", **kw)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

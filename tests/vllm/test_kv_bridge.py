@@ -58,3 +58,25 @@ def test_unknown_parent_and_block_size_mismatch() -> None:
     assert b.translate([orphan]) == []  # cannot be re-keyed without the chain's start: skipped, not guessed
     with pytest.raises(ValueError, match="multiple"):
         VllmKvBridge(None, "w", "tcp://x:1", None, engine_block_size=24, route_block_size=16)  # type: ignore[arg-type]
+
+
+def test_a_salted_chain_is_rooted_at_its_salt() -> None:
+    """vLLM publishes a request's ``cache_salt`` in its first block's extra keys; the bridge roots the re-keyed
+    chain there, so the router's index matches the prompt only under the same tenant's salt."""
+    from vllm.distributed.kv_events import BlockStored
+
+    tokens = list(range(300, 364))  # 2 vLLM blocks of 32
+    b = _bridge()
+    salted = BlockStored(block_hashes=[b"s1"], parent_block_hash=None, token_ids=tokens[:32], block_size=32,
+                         lora_id=None, medium="GPU", lora_name=None, extra_keys=[("t:A",)])
+    child = BlockStored(block_hashes=[b"s2"], parent_block_hash=b"s1", token_ids=tokens[32:], block_size=32,
+                        lora_id=None, medium="GPU", lora_name=None, extra_keys=[None])
+    out = b.translate(_roundtrip([salted, child]))
+    expected = hash_token_blocks(tokens, 16, cache_salt="t:A")
+    assert out[0]["block_hashes"] + out[1]["block_hashes"] == expected
+    assert expected != hash_token_blocks(tokens, 16)  # not the unsalted chain another tenant would look up
+    # with a LoRA, its name comes first among the extra keys: the salt is the string after it
+    lora = BlockStored(block_hashes=[b"l1"], parent_block_hash=None, token_ids=tokens[:32], block_size=32,
+                       lora_id=1, medium="GPU", lora_name="adapter", extra_keys=[("adapter", "t:B")])
+    out = b.translate(_roundtrip([lora]))
+    assert out[0]["block_hashes"] == hash_token_blocks(tokens[:32], 16, cache_salt="t:B")

@@ -34,7 +34,7 @@ def test_128k_prompt_fits_compactly() -> None:
 
 def test_plain_list_token_ids_accepted() -> None:
     raw = json.dumps({"v": 1, "kind": "generate_request", "request_id": "r1", "tenant": "acme",
-                      "stream_subject": "s", "prompt_token_ids": [1, 2, 3]}).encode()
+                      "prompt_token_ids": [1, 2, 3]}).encode()
     assert proto.decode(raw, GenerateRequest).prompt_token_ids == [1, 2, 3]
 
 
@@ -46,12 +46,17 @@ def test_plain_list_token_ids_accepted() -> None:
         (b'{"v": 2, "request_id": "r"}', ErrorCode.UNSUPPORTED_VERSION, "v=2"),
         (b'{"v": 1, "request_id": "r", "tenant": "t", "stream_subject": "s"}', ErrorCode.BAD_REQUEST,
          "exactly one of prompt"),
-        (b'{"v": 1, "request_id": "a.b", "tenant": "t", "stream_subject": "s", "prompt": "x"}',
+        (b'{"v": 1, "request_id": "a.b", "tenant": "t", "prompt": "x"}',
          ErrorCode.BAD_REQUEST, "request_id"),
-        (b'{"v": 1, "request_id": "r", "tenant": "t", "stream_subject": "s", "prompt": "x",'
+        (b'{"v": 1, "request_id": "r", "tenant": "t", "prompt": "x",'
          b' "sampling": {"max_tokens": 0}}', ErrorCode.BAD_REQUEST, "max_tokens"),
-        (b'{"v": 1, "request_id": "r", "tenant": "t", "stream_subject": "s", "prompt_token_ids": "@@@"}',
+        (b'{"v": 1, "request_id": "r", "tenant": "t", "prompt_token_ids": "@@@"}',
          ErrorCode.BAD_REQUEST, "base64"),
+        # A stream subject is derived from (tenant, request id); any other is refused at decoding.
+        (b'{"v": 1, "request_id": "r", "tenant": "t", "prompt": "x", "stream_subject": "$KV.SS_QUOTA.b"}',
+         ErrorCode.BAD_REQUEST, "stream_subject must be"),
+        (b'{"v": 1, "request_id": "r", "tenant": "t", "prompt": "x", "stream_subject": "ss.stream.b.r"}',
+         ErrorCode.BAD_REQUEST, "stream_subject must be"),
     ],
 )
 def test_malformed_messages_give_precise_errors(payload: bytes, code: ErrorCode, needle: str) -> None:
