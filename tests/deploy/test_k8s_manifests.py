@@ -223,6 +223,23 @@ def test_nats_is_an_r3_ready_jetstream_cluster(rendered: dict[str, list[dict[str
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_nats_monitor_is_not_open_to_tenants(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+    """The monitor port has no authentication and /connz shows every connection's subjects (request ids): the
+    NetworkPolicy opens only the client port to everyone, the monitor only to KEDA's and the metrics' namespaces."""
+    pol = one(rendered[overlay], "NetworkPolicy", "nats")
+    for rule in pol["spec"]["ingress"]:
+        ports = {p["port"] for p in rule.get("ports", [])}
+        if 8222 in ports:
+            sources = rule.get("from", [])
+            assert sources, "the monitor port must not be open to every pod"
+            assert all(set(src) == {"namespaceSelector"} for src in sources), sources
+            names = {src["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for src in sources}
+            assert names <= {"keda", "monitoring"}
+        if not rule.get("from"):
+            assert ports == {4222}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_nats_config_is_accepted_by_nats_server(rendered: dict[str, list[dict[str, Any]]], overlay: str,
                                                 example_secrets: list[dict[str, Any]], tmp_path: Path) -> None:
     """The rendered nats.conf with the generated auth block, laid out as the pod mounts them, passes the real
