@@ -30,11 +30,15 @@ WINDOW_S = 60.0
 MAX_FINISHES = 64  # recent finish times kept for the retry-after estimate
 
 
+MAX_CLOCK_SKEW_S = 60.0  # how far ahead of this router's clock another router's time may be
+
+
 def _finite(at: Any, now: float) -> float:
-    """A snapshot's time as read: an infinite or NaN one (no router writes it: a corrupt record) would never leave
-    the window, and cannot be exported, so it counts from now instead."""
+    """A snapshot's time as read: an infinite or NaN one, or one further in the future than routers' clocks can
+    differ (no router writes it: a corrupt record), would keep its charge in the window for ever (or until then)
+    and block the tenant, so it counts from now instead."""
     t = float(at)
-    return t if math.isfinite(t) else now
+    return t if math.isfinite(t) and t <= now + MAX_CLOCK_SKEW_S else now
 
 
 @dataclass(frozen=True)
@@ -223,16 +227,16 @@ class QuotaBook:
             return
         charges: list[_Charge] = []
         for rid, (at, tokens) in snapshot.get("inflight", {}).items():
-            c = _Charge(_finite(at, now), int(tokens), request_id=rid)
+            c = _Charge(_finite(at, now), max(0, int(tokens)), request_id=rid)
             u.inflight[rid] = c
             charges.append(c)
-        charges += [_Charge(_finite(at, now), int(tokens)) for at, tokens in snapshot.get("settled", [])]
+        charges += [_Charge(_finite(at, now), max(0, int(tokens))) for at, tokens in snapshot.get("settled", [])]
         charges.sort(key=lambda c: c.at)
         for c in charges:
             u.window.append(c)
             u.window_total += c.tokens
-        u.finish_times.extend(sorted(float(t) for t in snapshot.get("finishes", []) if math.isfinite(float(t)))
-                              [-MAX_FINISHES:])
+        u.finish_times.extend(sorted(float(t) for t in snapshot.get("finishes", [])
+                                     if math.isfinite(float(t)) and float(t) <= now + MAX_CLOCK_SKEW_S)[-MAX_FINISHES:])
         self._expire(u, now)
 
     def stale(self, tenant: str, older_than_s: float, now: float) -> list[str]:

@@ -158,3 +158,20 @@ def test_stale_reservations_and_idempotent_finish() -> None:
     assert book.finish("a", "old", None, 60.0) is True
     assert book.finish("a", "old", None, 61.0) is False  # a second finish changes nothing
     assert book.inflight("a") == 1 and book.has_dynamic_limits("a") and not book.has_dynamic_limits("b")
+
+
+def test_a_corrupt_snapshot_cannot_block_a_tenant() -> None:
+    """Times no router writes (far in the future, infinite) and negative token counts in a shared snapshot (a
+    corrupt or forged record) count from now and as nothing: they neither block the tenant until some far date
+    nor open a hole in its limit."""
+    now = 1_000.0
+    b = _book(tokens_per_minute=1000)
+    b.load("a", {"inflight": {"x": [now + 10**9, 900]}, "settled": [[float("inf"), 50], [now, -10**6]],
+                 "finishes": [now + 10**9]}, now)
+    assert b.tokens_in_window("a", now) == 950
+    assert b.check("a", 10, 10, 0, now) is None
+    assert b.tokens_in_window("a", now + 61) == 0  # all of it leaves the window a minute later, as any charge
+    # within the skew routers' clocks may have, a time ahead is kept as written
+    c = _book(tokens_per_minute=1000)
+    c.load("a", {"settled": [[now + 30, 100]]}, now)
+    assert c.tokens_in_window("a", now + 80) == 100
