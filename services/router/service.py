@@ -98,6 +98,7 @@ from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
 from splitserve.tenancy import TenantsConfig, load_tenants
 from splitserve.tenancy.fairshare import FairScheduler
+from splitserve.tenancy.intake_rate import IntakeBudget
 from splitserve.tenancy.quota import QuotaBook
 
 _REFUSAL_CODES = {"unknown_tenant": ErrorCode.UNKNOWN_TENANT, "quota_exceeded": ErrorCode.QUOTA_EXCEEDED,
@@ -223,6 +224,7 @@ class RouterService(Service):
         self._open_tenants: set[str] = set()  # open mode: the tenant names seen (at most OPEN_MODE_MAX_TENANTS)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._tokenizing = 0
+        self._intake_budget = IntakeBudget()
         self._started = time.monotonic()  # reset at start(): setup may take long
         self.request_ttl_s = request_ttl_s
         self.incarnation = uuid.uuid4().hex[:12]  # this process, in fair-share reports
@@ -278,7 +280,7 @@ class RouterService(Service):
                                                    self.on_route_explain, queue=Subjects.ROUTER_QUEUE))
         self._intake_subs.append(await b.subscribe(
             Subjects.REQUEST_ALL, GenerateRequest, self.on_request, queue=Subjects.ROUTER_QUEUE, concurrent=True,
-            scoped=True,
+            scoped=True, gate=self._intake_gate,
         ))
         b.spawn(self._reaper())
         if self.use_queue:
@@ -847,6 +849,24 @@ class RouterService(Service):
             return
         await self._route(req, ids, msg, sp)
         self.quota.admit(req.tenant, req.request_id, len(ids), req.sampling.max_tokens, now)
+
+    def _intake_gate(self, raw: Msg) -> StreamError | None:
+        """Before a request is decoded: charge its size to the tenant its subject names, and refuse (busy, with
+        when to retry) what the tenant's byte budget cannot pay, so no tenant spends this router's CPU on
+        decoding and tokenizing faster than its budget."""
+        try:
+            tenant, _ = proto.subject_identity(raw.subject)
+        except ValueError:
+            return None  # decoding refuses it
+        lim = self.tenants.limits(tenant)
+        rate = lim.request_bytes_per_s if lim is not None else None
+        wait = self._intake_budget.take(tenant, len(raw.data), time.monotonic(), rate)
+        if wait is None:
+            return None
+        self.log.info("intake_budget_exceeded", tenant=tenant, size=len(raw.data), retry_after_s=round(wait, 3))
+        return StreamError(code=ErrorCode.BUSY, retryable=True, retry_after_ms=round(wait * 1000 + 1, 1),
+                           message=f"tenant {tenant!r} is sending more request bytes than this router reads for it "
+                                   f"({rate or self._intake_budget.rate:,.0f} bytes/s); retry later")
 
     def _tenant_slot(self, tenant: str) -> bool:
         """Whether a tenant may have state here: always with a tenants file (its names are the bound); without

@@ -353,12 +353,15 @@ class Bus:
         queue: str = "",
         concurrent: bool = False,
         scoped: bool = False,
+        gate: Callable[[Msg], StreamError | None] | None = None,
     ) -> Subscription:
         """Subscribe with decoding and error handling. ``concurrent`` runs each message in its own task
         (the handler must then bound its own concurrency). ``scoped``: the subject names a tenant (and maybe a
         request: ``proto.subjects.subject_identity``), and the message's own ``tenant`` / ``request_id`` must be
         those, else it is refused with ``forbidden`` before the handler sees it. This is where a service learns
-        who sent a message: nats-server binds a tenant's credentials to its subjects, not to what a body says."""
+        who sent a message: nats-server binds a tenant's credentials to its subjects, not to what a body says.
+        ``gate`` sees each raw message before it is decoded (the cheap checks: size, rate) and may refuse it with
+        an error, which is the reply."""
 
         async def run(decoded: M, raw: Msg) -> None:
             try:
@@ -370,6 +373,9 @@ class Bus:
         limit: int | None = getattr(model, "MAX_BYTES", None)  # a message type's own size bound, checked unread
 
         async def cb(raw: Msg) -> None:
+            if gate is not None and (refused := gate(raw)) is not None:
+                await self.respond(raw, refused)
+                return
             if limit is not None and len(raw.data) > limit:
                 log.warning("bad_message", subject=raw.subject, code=str(ErrorCode.PAYLOAD_TOO_LARGE),
                             error=f"{len(raw.data):,} bytes", has_reply=bool(raw.reply))

@@ -48,6 +48,9 @@ class TenantLimits(BaseModel):
     tokens_per_minute: int | None = Field(default=None, ge=1)
     max_prompt_tokens: int | None = Field(default=None, ge=1)
     max_tokens: int | None = Field(default=None, ge=1)
+    # Bytes of requests per second one router reads from the tenant before decoding them (unset: 16 MiB/s):
+    # ``splitserve.tenancy.intake_rate``.
+    request_bytes_per_s: int | None = Field(default=None, ge=1024)
 
 
 # The longest request ``cache_salt`` accepted on the wire (vLLM allows 128 characters; OpenAI sets no bound).

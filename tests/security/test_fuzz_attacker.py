@@ -107,10 +107,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackProc]:
     tmp = tmp_path_factory.mktemp("fuzz-attack-stack")
     tenants = tmp / "tenants.yaml"
     # Both tenants have dynamic limits, so both have an SS_QUOTA record; A's max_tokens keeps a mutated request
-    # that happens to be valid short.
+    # that happens to be valid short. A's intake byte budget is raised far above the MBs it sends here, so every
+    # message reaches decoding (the budget itself is tested in test_tenant_attacks).
     tenants.write_text(
         "tenants:\n"
         f"  A:\n    password: {PW_A}\n    max_tokens: 16\n    max_prompt_tokens: 2048\n    max_inflight: 400\n"
+        "    request_bytes_per_s: 1073741824\n"
         f"  B:\n    password: {PW_B}\n    max_inflight: 40\n    tokens_per_minute: 50000000\n")
     env = dict(os.environ, SPLITSERVE_MOCK_STEP_MS="5")
     sp = start_stack(Path(tmp) / "state", "--prefill", "1", "--decode", "1", "--engine", "mock",

@@ -103,6 +103,22 @@ async def test_a_stream_subject_the_service_did_not_derive_is_refused(raw_a: NAT
     assert err.code == ErrorCode.BAD_REQUEST and "stream_subject must be" in err.message
 
 
+async def test_a_flood_of_large_requests_is_refused_before_decoding(stack: StackProc, raw_a: NATS) -> None:
+    """A sends 6 MB requests as fast as NATS carries them: past its intake byte budget (16 MiB/s per router by
+    default) each is answered ``busy`` with a retry-after, unread, and B is served meanwhile."""
+    big = _req("A", prompt="b" * 6_000_000)
+    data = proto.encode(big)
+    async with Client(stack.nats_url, user="B", password=PW_B) as b:
+        replies = await asyncio.gather(*(raw_a.request(proto.Subjects.request("A"), data, timeout=30)
+                                         for _ in range(12)))
+        served = await asyncio.gather(*(b.complete("Hello there", max_tokens=4) for _ in range(5)))
+    errs = [proto.decode(r.data, StreamError) for r in replies]
+    busy = [e for e in errs if e.code == ErrorCode.BUSY]
+    assert busy and all(e.retryable and e.retry_after_ms and "request bytes" in e.message for e in busy)
+    assert {e.code for e in errs} <= {ErrorCode.BUSY, ErrorCode.PROMPT_TOO_LONG}
+    assert [r.finish_reason for r in served] == ["length"] * 5
+
+
 async def test_a_reply_subject_outside_an_inbox_is_not_answered(stack: StackProc, raw_a: NATS) -> None:
     """nats-server does not check a reply subject against the sender's rights, and the router answers with its
     own: A's request with reply-to B's quota key (or the JetStream API) used to have the router write its answer
