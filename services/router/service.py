@@ -85,7 +85,7 @@ from proto import (
     now_ms,
 )
 from services.common.resync import resync_index
-from services.router.shared import RequestRegistry, SharedQuota
+from services.router.shared import CorruptRecord, RequestRegistry, SharedQuota
 from services.router.workqueue import WorkQueue
 from splitserve.cache import events as cache_events
 from splitserve.cache.index import PrefixIndex
@@ -393,7 +393,11 @@ class RouterService(Service):
         try:
             ended = rec.model_copy(update={"state": "ended", "status": status, "used_tokens": used_tokens})
             if rev and await self.requests.cas(ended, rev) is None:
-                got = await self.requests.get(rec.request_id)
+                try:
+                    got = await self.requests.get(rec.request_id)
+                except CorruptRecord as exc:  # not a router's value: this end replaces it
+                    await self.requests.cas(ended, exc.revision)
+                    got = None
                 if got is not None and got[0].state != "ended" and got[0].owner in (None, self.worker_id):
                     await self.requests.cas(ended, got[1])
             if self.quota.has_dynamic_limits(rec.tenant):
@@ -1141,7 +1145,15 @@ class RouterService(Service):
             if new_rev is not None:
                 return mine, new_rev
         for _ in range(8):
-            got = await self.requests.get(rid)
+            try:
+                got = await self.requests.get(rid)
+            except CorruptRecord as exc:
+                # Nothing a router wrote. The queue still holds the request, so it was accepted and has not been
+                # settled: recover it as one whose owner died (ended per the usage stream, running per the
+                # workers' heartbeats, else run here), replacing the value by compare-and-set on its revision.
+                self.log.error("request_record_corrupt", request_id=rid, error=str(exc))
+                return await self._recover(q, qmsg, sp, mine.model_copy(update={"owner": None, "owner_pid": None}),
+                                           exc.revision, mine)
             if got is None:
                 # No record (it outlived the registry's TTL, or an older router queued it): register it now.
                 new_rev = await self.requests.create(mine)

@@ -39,6 +39,15 @@ log = structlog.get_logger("splitserve.router.shared")
 CAS_ATTEMPTS = 64  # a tenant's usage under heavy contention from many routers: reload and decide again
 
 
+class CorruptRecord(Exception):
+    """The registry holds a value under a request's key that is not that request's record."""
+
+    def __init__(self, request_id: str, revision: int, why: str) -> None:
+        super().__init__(f"request {request_id}'s registry record is corrupt ({why[:200]})")
+        self.request_id = request_id
+        self.revision = revision
+
+
 class RequestRegistry:
     def __init__(self, js: JetStreamContext, *, ttl_s: float = 900.0, replicas: int = 1) -> None:
         self.js = js
@@ -64,11 +73,20 @@ class RequestRegistry:
             return None
 
     async def get(self, request_id: str) -> tuple[RequestRecord, int] | None:
+        """The record and its revision; None when there is none; CorruptRecord when the stored value is not a
+        record of this request (no router writes such a value: an insider's, or a damaged store's)."""
         try:
             e = await self._kv().get(request_id)
         except KeyNotFoundError:
             return None
-        return proto.decode(e.value or b"", RequestRecord), int(e.revision or 0)
+        revision = int(e.revision or 0)
+        try:
+            rec = proto.decode(e.value or b"", RequestRecord)
+        except proto.ProtocolError as exc:
+            raise CorruptRecord(request_id, revision, exc.message) from None
+        if rec.request_id != request_id:
+            raise CorruptRecord(request_id, revision, f"it is request {rec.request_id[:64]!r}'s record")
+        return rec, revision
 
     async def cas(self, rec: RequestRecord, revision: int) -> int | None:
         """Replace the record if it is still at ``revision``; the new revision, or None if it moved."""

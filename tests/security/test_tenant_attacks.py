@@ -24,12 +24,13 @@ from pathlib import Path
 import nats
 import pytest
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 import proto
 from proto import ErrorCode, GenerateRequest, SamplingParams, StreamError
 from splitserve.client import Client
 from splitserve.stackproc import StackProc, start_stack
-from splitserve.tenancy.natsauth import tenant_inbox
+from splitserve.tenancy.natsauth import read_admin_credentials, tenant_inbox
 
 pytestmark = pytest.mark.slow
 
@@ -184,6 +185,45 @@ async def test_a_cannot_cancel_b_running_or_queued_requests(stack: StackProc, ra
     reasons = [g.result.finish_reason for g in gens if g.result is not None]
     assert reasons == ["length"] * 24, reasons
     assert all(g.result is not None and g.result.usage.completion_tokens == 120 for g in gens)
+
+
+async def test_corrupt_registry_records_lose_no_request(stack: StackProc) -> None:
+    """An insider (or a damaged store) overwrites the registry records of B's running and queued requests with
+    garbage and with another request's record: each still runs once and ends once, with its whole output."""
+    creds = read_admin_credentials(stack.state_dir)
+    assert creds is not None
+    admin = await nats.connect(stack.nats_url, user=creds[0], password=creds[1], max_reconnect_attempts=0)
+    finals: dict[str, int] = {}
+
+    async def count(msg: Msg) -> None:
+        if (msg.headers or {}).get(proto.HEADER_KIND) == "final":
+            rid = msg.subject.split(".")[-1]
+            finals[rid] = finals.get(rid, 0) + 1
+
+    await admin.subscribe("ss.stream.B.*", cb=count)
+    kv = await admin.jetstream().key_value(proto.Subjects.REQUESTS_BUCKET)
+    try:
+        async with Client(stack.nats_url, user="B", password=PW_B) as b:
+            gens = [b.generate("Once upon a time", max_tokens=120) for _ in range(24)]
+            iters = [g.__aiter__() for g in gens]
+            await asyncio.wait_for(iters[0].__anext__(), 60)
+            others = asyncio.gather(*(it.__anext__() for it in iters[1:]))  # every request accepted
+            await asyncio.sleep(0.5)
+            for i, g in enumerate(gens):
+                value = b"\x00 not a record" if i % 2 else (await kv.get(gens[0].request_id)).value or b""
+                await kv.put(g.request_id, value)
+
+            async def drain(it: AsyncIterator[object]) -> None:
+                async for _ in it:
+                    pass
+
+            await asyncio.wait_for(others, 120)
+            await asyncio.wait_for(asyncio.gather(*(drain(it) for it in iters)), 120)
+        await asyncio.sleep(1.0)
+    finally:
+        await admin.close()
+    assert [g.result.usage.completion_tokens if g.result else None for g in gens] == [120] * 24
+    assert finals == {g.request_id: 1 for g in gens}
 
 
 async def test_b_can_still_cancel_its_own_request(stack: StackProc) -> None:
