@@ -898,7 +898,9 @@ class RouterService(Service):
         """Token ids of the prompt: a small one here (microseconds), a large one on the tokenizer thread, at most
         TOKENIZE_WAITING of them waiting at once (then ``busy``), so neither the event loop (heartbeats, every
         other tenant's intake and streams) nor memory is held by a few huge prompts."""
-        if self.tokenizer.text_bytes(req) <= INLINE_TOKENIZE_BYTES:
+        # A conversation's template renders every message (a 100k-message list is slow with tiny contents).
+        work = self.tokenizer.text_bytes(req) + 64 * len(req.messages or ())
+        if work <= INLINE_TOKENIZE_BYTES:
             return self.tokenizer.token_ids(req)
         if self._tokenizing >= TOKENIZE_WAITING:
             raise _TokenizerBusy(f"{self._tokenizing} large prompts are being tokenized; retry shortly")
