@@ -91,9 +91,11 @@ def test_cache_index_holds_vllm_blocks(stack: StackProc) -> None:
     from proto import CacheQuery, CacheQueryReply, Subjects
     from splitserve.cache.hashing import hash_token_blocks
     from splitserve.engines.hf import HfEngine
+    from splitserve.tenancy import TenantsConfig
 
     ids = HfEngine.load(dtype="float32").encode(LONG)
-    hashes = hash_token_blocks(ids, 16)
+    # vLLM keys its blocks by the request's cache salt (the CLI's default tenant's), and its events say so
+    hashes = hash_token_blocks(ids, 16, cache_salt=TenantsConfig.open_mode().cache_salt("default"))
 
     async def query() -> CacheQueryReply:
         nc = await nats.connect(stack.nats_url)
