@@ -20,16 +20,14 @@ import contextlib
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx2
 import pytest
 
 from services.frontend.app import MAX_SESSION_ID_CHARS, AuthThrottle
-from services.frontend.service import FrontendService
 from splitserve.natsserver import NatsServer
-from tests.frontend.test_service import MODEL, FakeCluster, cluster, until
+from tests.frontend.test_service import MODEL, FakeCluster, cluster, frontend, until
 
 __all__ = ["cluster"]  # the fixture, re-used from the front door's own service tests
 
@@ -37,23 +35,6 @@ KEY_A = "sk-acme-0123456789abcdef"
 KEY_B = "sk-globex-0123456789abcdef"
 KEYS = {KEY_A: "acme", KEY_B: "globex"}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
-
-
-@contextlib.asynccontextmanager
-async def front_door(url: str, **kw: object) -> AsyncIterator[FrontendService]:
-    svc = FrontendService("frontend-sec", url, port=0, heartbeat_s=0.2, log_level="WARNING", **kw)  # type: ignore[arg-type]
-    task = asyncio.create_task(svc.run())
-    for _ in range(500):
-        if svc._state == "ready" or task.done():
-            break
-        await asyncio.sleep(0.01)
-    if task.done():
-        task.result()
-    try:
-        yield svc
-    finally:
-        svc.request_stop()
-        await asyncio.wait_for(task, 20)
 
 
 def auth(key: str) -> dict[str, str]:
@@ -79,7 +60,7 @@ def status_of(response: bytes) -> int:
 
 
 async def test_metrics_and_docs_are_not_served_on_the_api_port(cluster: FakeCluster, nats_server: NatsServer) -> None:
-    async with front_door(nats_server.url, api_keys=KEYS) as svc, httpx2.AsyncClient(base_url=svc.url) as http:
+    async with frontend(nats_server.url, api_keys=KEYS) as svc, httpx2.AsyncClient(base_url=svc.url) as http:
         await until(lambda: svc.readiness()[0])
         assert (await http.post("/v1/chat/completions", json=CHAT, headers=auth(KEY_A))).status_code == 200
         # Nothing a caller without a key (or with a tenant's key) can reach names a tenant.
@@ -97,7 +78,7 @@ async def test_metrics_and_docs_are_not_served_on_the_api_port(cluster: FakeClus
         assert r.status_code == 200 and "splitserve_requests_total" in r.text
         assert (await http.get(svc.metrics_url.replace("/metrics", "/v1/models"), headers=auth(KEY_A))).status_code \
             == 404  # the metrics port serves nothing else
-    async with front_door(nats_server.url, api_keys=KEYS, docs=True) as svc, \
+    async with frontend(nats_server.url, api_keys=KEYS, docs=True) as svc, \
             httpx2.AsyncClient(base_url=svc.url) as http:  # an operator can turn the docs on
         assert (await http.get("/docs")).status_code == 200
         assert "/v1/chat/completions" in (await http.get("/openapi.json")).json()["paths"]
@@ -105,12 +86,12 @@ async def test_metrics_and_docs_are_not_served_on_the_api_port(cluster: FakeClus
 
 async def test_open_front_door_beyond_loopback_warns_loudly(nats_server: NatsServer,
                                                             capfd: pytest.CaptureFixture[str]) -> None:
-    async with front_door(nats_server.url, host="0.0.0.0"):
+    async with frontend(nats_server.url, host="0.0.0.0"):
         pass
     err = capfd.readouterr().err
     assert "WARNING" in err and "0.0.0.0" in err and "NO API KEYS" in err
     for kw in ({"host": "0.0.0.0", "api_keys": KEYS}, {"host": "127.0.0.1"}):
-        async with front_door(nats_server.url, **kw):
+        async with frontend(nats_server.url, **kw):
             pass
         assert "NO API KEYS" not in capfd.readouterr().err, kw
 
@@ -119,7 +100,7 @@ async def test_open_front_door_beyond_loopback_warns_loudly(nats_server: NatsSer
 
 
 async def test_a_key_is_compared_exactly(nats_server: NatsServer) -> None:
-    async with front_door(nats_server.url, api_keys=KEYS) as svc:
+    async with frontend(nats_server.url, api_keys=KEYS) as svc:
         ok = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer {KEY_A}\r\n\r\n"
         assert status_of(await raw_request(svc.port, ok.encode())) == 200
         # A trailing newline (bare LF inside the header), other whitespace the old .strip() removed, a
@@ -147,7 +128,7 @@ def test_a_keys_file_with_a_short_key_is_refused(tmp_path: Path) -> None:
 
 
 async def test_failed_keys_are_throttled_per_address(nats_server: NatsServer) -> None:
-    async with front_door(nats_server.url, api_keys=KEYS) as svc, httpx2.AsyncClient(base_url=svc.url) as http:
+    async with frontend(nats_server.url, api_keys=KEYS) as svc, httpx2.AsyncClient(base_url=svc.url) as http:
         for i in range(10):
             r = await http.get("/v1/models", headers=auth(f"sk-guess-{i:016d}"))
             assert r.status_code == 401
@@ -171,7 +152,7 @@ async def test_failed_keys_are_throttled_per_address(nats_server: NatsServer) ->
 
 
 async def test_per_key_and_total_concurrency_limits(cluster: FakeCluster, nats_server: NatsServer) -> None:
-    async with front_door(nats_server.url, api_keys=KEYS, per_key_concurrency=1) as svc, \
+    async with frontend(nats_server.url, api_keys=KEYS, per_key_concurrency=1) as svc, \
             httpx2.AsyncClient(base_url=svc.url) as http:
         await until(lambda: svc.readiness()[0])
         async with http.stream("POST", "/v1/completions", headers=auth(KEY_A),
@@ -183,7 +164,7 @@ async def test_per_key_and_total_concurrency_limits(cluster: FakeCluster, nats_s
         cluster.release.set()
         await until(lambda: not svc.active_requests())
         assert (await http.post("/v1/completions", headers=auth(KEY_A), json={"prompt": "x"})).status_code == 200
-    async with front_door(nats_server.url, limit_concurrency=4) as svc:
+    async with frontend(nats_server.url, limit_concurrency=4) as svc:
         idle = [socket.create_connection(("127.0.0.1", svc.port)) for _ in range(4)]
         try:
             answer = await raw_request(svc.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
@@ -212,7 +193,7 @@ MALFORMED = {
 
 
 async def test_malformed_bodies_are_400_never_500(cluster: FakeCluster, nats_server: NatsServer) -> None:
-    async with front_door(nats_server.url, api_keys=KEYS) as svc, httpx2.AsyncClient(base_url=svc.url) as http:
+    async with frontend(nats_server.url, api_keys=KEYS) as svc, httpx2.AsyncClient(base_url=svc.url) as http:
         await until(lambda: svc.readiness()[0])
         for name, body in MALFORMED.items():
             r = await http.post("/v1/chat/completions", content=body, headers={**auth(KEY_A),
@@ -232,7 +213,7 @@ async def test_malformed_bodies_are_400_never_500(cluster: FakeCluster, nats_ser
 
 
 async def test_caller_ids_are_bounded_and_never_echoed(cluster: FakeCluster, nats_server: NatsServer) -> None:
-    async with front_door(nats_server.url, api_keys=KEYS) as svc, httpx2.AsyncClient(base_url=svc.url) as http:
+    async with frontend(nats_server.url, api_keys=KEYS) as svc, httpx2.AsyncClient(base_url=svc.url) as http:
         await until(lambda: svc.readiness()[0])
         long = "s" * 10_000
         for value in (long, "s" * (MAX_SESSION_ID_CHARS + 1), "tab\tinside"):
@@ -250,7 +231,7 @@ async def test_caller_ids_are_bounded_and_never_echoed(cluster: FakeCluster, nat
 
 async def test_slow_header_senders_are_cut_off(nats_server: NatsServer) -> None:
     timeout = 2.0
-    async with front_door(nats_server.url, api_keys=KEYS, header_timeout_s=timeout) as svc:
+    async with frontend(nats_server.url, api_keys=KEYS, header_timeout_s=timeout) as svc:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         conns = [await asyncio.open_connection("127.0.0.1", svc.port) for _ in range(20)]

@@ -22,30 +22,9 @@ from services.router.service import RouterService
 from splitserve.sim import SimConfig, synthetic
 from splitserve.sim.cluster import Sim
 from splitserve.sim.latency import StepFit
+from tests.recording_bus import RecordingBus
 
 CPU_FIT = StepFit("test-cpu", (30.0, 1.2, 0.0), (60.0, 0.001, 6.0))
-
-
-class _Sub:
-    async def unsubscribe(self) -> None:
-        pass
-
-
-class _NoNats:
-    async def subscribe(self, *_: Any, **__: Any) -> _Sub:  # the router follows each request's stream
-        return _Sub()
-
-
-class RecordingBus:
-    def __init__(self) -> None:
-        self.published: list[tuple[str, Any]] = []
-        self.nc = _NoNats()
-
-    async def publish(self, subject: str, msg: Any, **_: Any) -> None:
-        self.published.append((subject, msg))
-
-    def spawn(self, coro: Any) -> None:
-        coro.close()
 
 
 def _run_sim(strategy: str) -> Sim:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from hypothesis import given
@@ -18,6 +17,7 @@ from services.router import explain as explain_mod
 from services.router.service import RouterService
 from splitserve.cache import BlockStored, KvEventBatch, hash_token_blocks
 from splitserve.tenancy import MAX_REQUEST_CACHE_SALT, TenantsConfig, combine_cache_salt, load_tenants
+from tests.recording_bus import RecordingBus
 
 TENANT = st.from_regex(r"[A-Za-z0-9_-]{1,64}", fullmatch=True)
 REQUEST_SALT = st.one_of(st.none(), st.text(max_size=MAX_REQUEST_CACHE_SALT))
@@ -106,28 +106,6 @@ def test_wire_fields_are_bounded_and_v1_compatible() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the router
-
-
-class _Sub:
-    async def unsubscribe(self) -> None:
-        pass
-
-
-class _NoNats:
-    async def subscribe(self, *_: Any, **__: Any) -> _Sub:
-        return _Sub()
-
-
-class RecordingBus:
-    def __init__(self) -> None:
-        self.published: list[tuple[str, Any]] = []
-        self.nc = _NoNats()
-
-    async def publish(self, subject: str, msg: Any, **_: Any) -> None:
-        self.published.append((subject, msg))
-
-    def spawn(self, coro: Any) -> None:
-        coro.close()
 
 
 BS = 16
