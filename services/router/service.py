@@ -812,14 +812,15 @@ class RouterService(Service):
             return
         # Cheap checks first: a prompt whose size alone puts it over a limit is refused before any tokenizer
         # work (three 6 MB prompts once stalled this loop for 16 s), and a large one is tokenized off the loop.
-        floor, limit = self.tokenizer.min_tokens(req), self._prompt_limit(req.tenant)
+        nbytes = self.tokenizer.text_bytes(req)
+        floor, limit = self.tokenizer.min_tokens(req, nbytes), self._prompt_limit(req.tenant)
         if limit is not None and floor > limit[0]:
             await self._reject(req, msg, ErrorCode.PROMPT_TOO_LONG,
-                               f"prompt has at least {floor:,} tokens ({self.tokenizer.text_bytes(req):,} bytes); "
+                               f"prompt has at least {floor:,} tokens ({nbytes:,} bytes); "
                                f"{limit[1]} accepts at most {limit[0]:,}")
             return
         try:
-            ids = await self._tokenize(req)
+            ids = await self._tokenize(req, nbytes)
         except _TokenizerBusy as exc:
             await self._reject(req, msg, ErrorCode.BUSY, str(exc), retry_after_s=0.5)
             return
@@ -894,12 +895,12 @@ class RouterService(Service):
             best = (min(lens) - 1, "the model")
         return best
 
-    async def _tokenize(self, req: GenerateRequest) -> list[int]:
+    async def _tokenize(self, req: GenerateRequest, text_bytes: int) -> list[int]:
         """Token ids of the prompt: a small one here (microseconds), a large one on the tokenizer thread, at most
         TOKENIZE_WAITING of them waiting at once (then ``busy``), so neither the event loop (heartbeats, every
         other tenant's intake and streams) nor memory is held by a few huge prompts."""
         # A conversation's template renders every message (a 100k-message list is slow with tiny contents).
-        work = self.tokenizer.text_bytes(req) + 64 * len(req.messages or ())
+        work = text_bytes + 64 * len(req.messages or ())
         if work <= INLINE_TOKENIZE_BYTES:
             return self.tokenizer.token_ids(req)
         if self._tokenizing >= TOKENIZE_WAITING:

@@ -58,12 +58,13 @@ class PromptTokenizer:
             return sum(len(m.content.encode("utf-8")) for m in req.messages)
         return 0
 
-    def min_tokens(self, req: GenerateRequest) -> int:
+    def min_tokens(self, req: GenerateRequest, text_bytes: int | None = None) -> int:
         """A lower bound on the request's prompt tokens, computed without tokenizing (bytes / the most bytes one
-        token covers): a prompt whose bound is over a limit is refused before any tokenizer work."""
+        token covers): a prompt whose bound is over a limit is refused before any tokenizer work. ``text_bytes``:
+        :meth:`text_bytes` of the request, when the caller has it already."""
         if req.prompt_token_ids is not None:
             return len(req.prompt_token_ids)
-        return self.text_bytes(req) // self.max_token_bytes
+        return (self.text_bytes(req) if text_bytes is None else text_bytes) // self.max_token_bytes
 
     def _rust_if_same(self) -> tuple[Any, bool]:
         rust = getattr(self.tok, "backend_tokenizer", None)

@@ -118,6 +118,8 @@ async def test_a_flood_of_large_requests_is_refused_before_decoding(stack: Stack
     assert busy and all(e.retryable and e.retry_after_ms and "request bytes" in e.message for e in busy)
     assert {e.code for e in errs} <= {ErrorCode.BUSY, ErrorCode.PROMPT_TOO_LONG}
     assert [r.finish_reason for r in served] == ["length"] * 5
+    # Leave A's budget full again for the tests after this one (24 MiB of burst refills at 16 MiB/s).
+    await asyncio.sleep(2.0)
 
 
 async def test_a_reply_subject_outside_an_inbox_is_not_answered(stack: StackProc, raw_a: NATS) -> None:
