@@ -37,8 +37,12 @@ sysdeps:
 run: setup
 	$(VENV)/bin/splitserve up $(ARGS)
 
+# Two tiers: the fast tests (unit, contract, policy: no `slow` mark) first, so a broken build fails in a minute or
+# two; then the slow ones (real nats-server, stacks, the real model), with the ten slowest listed at the end.
+# (pytest's exit code 5, "no tests collected", is fine: PYTEST_ARGS may select one tier only.)
 test: setup sysdeps
-	$(VENV)/bin/pytest -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -rs -m "not slow" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(VENV)/bin/pytest -q -rs -m slow --durations=10 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-fast: setup sysdeps
 	$(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import time
 from enum import StrEnum
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from proto.subjects import check_token, reply_subjects
+from proto.subjects import check_token, reply_subjects, request_key
 from proto.tokens import TokenIds
 
 PROTO_VERSION = 1
@@ -100,6 +100,21 @@ class Message(BaseModel):
     v: int = PROTO_VERSION
 
 
+class TenantRequest:
+    """A message about one tenant's request. A request id is the client's and unique only within its tenant, so
+    every map, store key, engine sequence and heartbeat list that names requests across tenants uses ``key``
+    (``proto.request_key``): tenant A naming an id that B uses (first, or after) touches nothing of B's."""
+
+    __slots__ = ()
+    if TYPE_CHECKING:
+        request_id: str
+        tenant: str
+
+    @property
+    def key(self) -> str:
+        return request_key(self.tenant, self.request_id)
+
+
 class ErrorCode(StrEnum):
     """Terminal error kinds a caller can act on."""
 
@@ -181,7 +196,7 @@ class TokenLogprob(BaseModel):
     top: list[TopLogprob] = Field(default_factory=list)
 
 
-class GenerateRequest(Message):
+class GenerateRequest(Message, TenantRequest):
     """A client's request for one completion. Exactly one of prompt / messages / prompt_token_ids."""
 
     kind: Literal["generate_request"] = "generate_request"
@@ -243,7 +258,7 @@ class Accepted(Message):
 # ---------------------------------------------------------------------------------------------- jobs
 
 
-class DecodeJob(Message):
+class DecodeJob(Message, TenantRequest):
     """What a decoder needs to serve a request. Sent directly (route=direct: the decoder prefills locally)
     or inside a PrefillDone once the KV has landed in the decoder's reserved blocks."""
 
@@ -289,7 +304,7 @@ class DecodeJob(Message):
         return [*self.prompt_token_ids, *self.resume_token_ids]
 
 
-class RevokeJob(Message):
+class RevokeJob(Message, TenantRequest):
     """Router -> decoder, request/reply: stop holding one attempt of a request, silently (no terminal message:
     the request continues elsewhere). Without ``force`` a sequence already decoding is kept (the answer says
     so); with it, that too is dropped (fencing a decoder the router declared dead)."""
@@ -309,7 +324,7 @@ class RevokeReply(Message):
     running: bool = False  # not revoked: the sequence is decoding (or its KV has landed) here
 
 
-class JobBounced(Message):
+class JobBounced(Message, TenantRequest):
     """Prefiller -> routers: a job could not be handed to its decoder (it died, refused or timed out the KV
     reservation, or the push failed). The caller was told nothing; the router that dispatched the request
     sends it again (another prefiller or decoder), within its migration bound."""
@@ -321,6 +336,8 @@ class JobBounced(Message):
     attempt: int = Field(default=0, ge=0)
     code: ErrorCode
     message: str
+    decoder: str | None = None  # code worker_died: the decoder that did not answer (it is not routed to again
+    # until its next heartbeat)
 
 
 class PrefillJob(Message):
@@ -330,9 +347,10 @@ class PrefillJob(Message):
     decode: DecodeJob  # forwarded to the decoder inside PrefillDone
 
 
-class KvReserveRequest(Message):
+class KvReserveRequest(Message, TenantRequest):
     kind: Literal["kv_reserve_request"] = "kv_reserve_request"
     request_id: str
+    tenant: str = ""  # whose request (decoders list reservations by proto.request_key)
     prefill_worker: str
     num_tokens: int = Field(ge=1)
     transport: str
@@ -348,6 +366,9 @@ class KvReserveReply(Message):
     lease_ms: float = 0.0  # the reservation is freed if no PrefillDone arrives in time
     retry_after_ms: float | None = None  # set when the buffer is full: try again later
     error: str | None = None
+    # Set when the request can never fit: the decoder's whole landing buffer, in tokens (no retry, no other attempt
+    # on it: the prefiller fails the request at once with prompt_too_long instead of bouncing it)
+    capacity_tokens: int | None = None
 
 
 class KvHandle(BaseModel):
@@ -444,7 +465,7 @@ ErrorMessage = StreamError
 StreamMessage = Annotated[StreamDelta | StreamFinal | StreamError, Field(discriminator="kind")]
 
 
-class CancelRequest(Message):
+class CancelRequest(Message, TenantRequest):
     """Stop a request wherever it is (queued, prefilling, decoding) and free its KV and reservations; the
     caller then gets a StreamFinal with finish_reason "cancelled" (what was generated so far, and usage)."""
 
@@ -458,7 +479,7 @@ class CancelRequest(Message):
     reason: str = "cancelled by the client"
 
 
-class RequestFinished(Message):
+class RequestFinished(Message, TenantRequest):
     """Emitted once per request when it ends (any outcome): in-flight tracking and usage metering."""
 
     kind: Literal["request_finished"] = "request_finished"
@@ -508,6 +529,7 @@ class Heartbeat(Message):
     transport: str | None = None
     block_size: int | None = None
     load: WorkerLoad = Field(default_factory=WorkerLoad)
+    # The requests this worker holds, as ``proto.request_key(tenant, request_id)`` (ids are unique per tenant only)
     active_requests: list[str] = Field(default_factory=list)
     # A decoder's context pool: "long" decoders take the long prompts (splitserve.routing.context)
     pool: Literal["general", "long"] = "general"
@@ -639,10 +661,11 @@ class QueueReport(Message):
 # with compare-and-set on the key's revision); DispatchNote and FairShareReport are plain publishes.
 
 
-class RequestRecord(Message):
-    """One request's cluster-wide state, the value of key ``{request_id}`` in the ``SS_REQUESTS`` KV bucket.
+class RequestRecord(Message, TenantRequest):
+    """One request's cluster-wide state, the value of key ``{tenant}.{request_id}``
+    (``key``) in the ``SS_REQUESTS`` KV bucket.
 
-    Created (create-only) at intake, so a request id is accepted once across every router; moved by
+    Created (create-only) at intake, so a tenant's request id is accepted once across every router; moved by
     compare-and-set on its revision: ``queued`` -> ``dispatched`` (exactly one router wins the dispatch) ->
     ``ended`` (exactly one router settles its quota and acks it). A request cancelled or expired while queued
     goes ``queued`` -> ``ended`` by the same compare-and-set, so it can never also be dispatched."""
@@ -686,7 +709,7 @@ class TenantUsage(Message):
     updated_ms: float = Field(default_factory=now_ms)
 
 
-class DispatchNote(Message):
+class DispatchNote(Message, TenantRequest):
     """Router -> the other routers (``ss.routed.{router}``): "I just sent this request to these workers", so
     their pending-load ledgers count it until the workers' own heartbeats do (no two routers pile one burst
     onto the worker that looked cheapest to both)."""

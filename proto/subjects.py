@@ -19,10 +19,10 @@ Layout (``ss`` is the product prefix; ``{tenant}`` and ``{worker}`` are single t
   ss.evt.finished.{tenant}.{req}  decoder/prefiller/router: RequestFinished (accounting, in-flight tracking);
                                   kept in the SS_USAGE stream (usage metering, "already finished?" lookups)
   ss.q.{tenant}.p{class}          router intake -> router dispatch: QueuedRequest, in the SS_QUEUE work-queue
-                                  stream (Nats-Msg-Id = request id); class 0 is served first within a tenant
+                                  stream (Nats-Msg-Id = tenant.request); class 0 is served first within a tenant
   ss.routed.{router}              router -> routers: DispatchNote (its dispatches, for their pending-load ledgers)
   ss.fair.{router}                router -> routers: FairShareReport (virtual tokens charged per tenant)
-  $KV.SS_REQUESTS.{request}       RequestRecord per request id (create-only at intake, then compare-and-set)
+  $KV.SS_REQUESTS.{tenant}.{req}  RequestRecord per request (create-only at intake, then compare-and-set)
   $KV.SS_QUOTA.{tenant}           TenantUsage per tenant with limits (compare-and-set)
   ss.admin.queues                 operator -> router, request/reply: QueueReportRequest -> QueueReport
   ss.admin.route.explain          operator -> router, request/reply: RouteExplainRequest -> RouteExplainReply
@@ -175,7 +175,7 @@ class Subjects:
         return f"ss.fair.{check_token(router, 'router id')}"
 
     FAIR_ALL = "ss.fair.*"
-    REQUESTS_BUCKET = "SS_REQUESTS"  # KV: request id -> RequestRecord (the cluster-wide request registry)
+    REQUESTS_BUCKET = "SS_REQUESTS"  # KV: tenant.request -> RequestRecord (the cluster-wide request registry)
     QUOTA_BUCKET = "SS_QUOTA"  # KV: tenant -> TenantUsage (global quotas)
 
     @staticmethod

@@ -30,7 +30,6 @@ import torch
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-import proto
 from proto import (
     CancelRequest,
     DecodeJob,
@@ -70,7 +69,7 @@ HAND_OVER_STEP_S = 2.0
 @dataclass
 class Reservation:
     transfer_id: str
-    request_id: str
+    key: str  # proto.request_key(tenant, id) of the request it is for
     block_ids: list[int]
     num_tokens: int
     expires: float
@@ -149,7 +148,9 @@ class DecodeService(Service):
         # Recently cancelled requests (``proto.request_key``: a cancel names its tenant's request only),
         # insertion-ordered, bounded.
         self.cancelled: dict[str, None] = {}
-        self.revoked: dict[str, int] = {}  # request id -> highest attempt revoked here (bounded, insertion-ordered)
+        # Requests are keyed by ``proto.request_key(tenant, id)`` everywhere here (maps, the engine's sequence ids,
+        # heartbeats): a request id is unique only within its tenant.
+        self.revoked: dict[str, int] = {}  # request key -> highest attempt revoked here (bounded, insertion-ordered)
         self._loop_task: asyncio.Task[None] | None = None
         self.admitting: str | None = None  # the request being admitted (prefilled) now: held, though in no list
         self._admitting_prefill = 0  # its tokens still to compute here (0: its KV came from a prefiller)
@@ -250,8 +251,8 @@ class DecodeService(Service):
         )
 
     def active_requests(self) -> list[str]:
-        return [*self.active, *(a.job.request_id for a in self.pending), *([self.admitting] if self.admitting else []),
-                *(r.request_id for r in self.reservations.values())]
+        return [*self.active, *(a.job.key for a in self.pending), *([self.admitting] if self.admitting else []),
+                *(r.key for r in self.reservations.values())]
 
     def heartbeat_extra(self) -> dict[str, Any]:
         if not hasattr(self, "engine"):
@@ -262,33 +263,33 @@ class DecodeService(Service):
 
     # --- inputs ---------------------------------------------------------------------------------------
     def _is_revoked(self, job: DecodeJob) -> bool:
-        return job.attempt <= self.revoked.get(job.request_id, -1)
+        return job.attempt <= self.revoked.get(job.key, -1)
 
     async def on_revoke(self, r: RevokeJob, msg: Msg) -> None:
         """The router moves the request elsewhere: drop this attempt (and older ones) without a word to the
         caller. A sequence already decoding is kept unless forced: the router then leaves it here."""
-        rid = r.request_id
-        seq = self.active.get(rid)
-        landed = [a for a in self.pending if a.job.request_id == rid and a.kv is not None]
-        if not r.force and ((seq is not None and seq.job.attempt >= r.attempt) or landed or rid == self.admitting):
+        rid, key = r.request_id, r.key
+        seq = self.active.get(key)
+        landed = [a for a in self.pending if a.job.key == key and a.kv is not None]
+        if not r.force and ((seq is not None and seq.job.attempt >= r.attempt) or landed or key == self.admitting):
             await self.b.respond(msg, RevokeReply(request_id=rid, revoked=False, running=True))
             return
-        self.revoked[rid] = max(r.attempt, self.revoked.get(rid, -1))
+        self.revoked[key] = max(r.attempt, self.revoked.get(key, -1))
         while len(self.revoked) > 4096:
             self.revoked.pop(next(iter(self.revoked)))
         if seq is not None and seq.job.attempt <= r.attempt:
-            self.active.pop(rid, None)
+            self.active.pop(key, None)
             with contextlib.suppress(Exception):
-                await self.thread.run(self._retire, rid, [], False)
-            sp = self.stream_spans.pop(rid, None)
+                await self.thread.run(self._retire, key, [], False)
+            sp = self.stream_spans.pop(key, None)
             if sp is not None:
                 sp.set_attribute("revoked", True)
                 sp.end()
-        for adm in [a for a in self.pending if a.job.request_id == rid and a.job.attempt <= r.attempt]:
+        for adm in [a for a in self.pending if a.job.key == key and a.job.attempt <= r.attempt]:
             self.pending.remove(adm)
             self._release(adm)
         for tid, res in list(self.reservations.items()):
-            if res.request_id == rid:
+            if res.key == key:
                 # Its prefiller is gone (or the router gave up on it): no push is coming any more.
                 self.reservations.pop(tid, None)
                 self.pool.free(res.block_ids)
@@ -310,7 +311,7 @@ class DecodeService(Service):
         need = self.layout.blocks_for_tokens(req.num_tokens)
         if need > self.pool.num_blocks:
             await self.b.respond(msg, KvReserveReply(
-                request_id=req.request_id, ok=False,
+                request_id=req.request_id, ok=False, capacity_tokens=self.pool.num_blocks * self.opts.block_size,
                 error=f"{req.num_tokens} tokens need {need} blocks; decoder {self.worker_id} has only "
                       f"{self.pool.num_blocks} landing blocks in total"))
             return
@@ -320,7 +321,7 @@ class DecodeService(Service):
             await self.b.respond(msg, KvReserveReply(request_id=req.request_id, ok=False, retry_after_ms=50.0))
             return
         tid = uuid.uuid4().hex
-        self.reservations[tid] = Reservation(tid, req.request_id, blocks, req.num_tokens,
+        self.reservations[tid] = Reservation(tid, req.key, blocks, req.num_tokens,
                                              time.monotonic() + self.lease_s)
         desc = self.receiver.descriptor(blocks)
         await self.b.respond(msg, KvReserveReply(request_id=req.request_id, ok=True, transfer_id=tid,
@@ -328,16 +329,16 @@ class DecodeService(Service):
                                                  lease_ms=self.lease_s * 1000))
 
     async def on_cancel(self, c: CancelRequest, _: Msg) -> None:
-        rid = c.request_id
-        self.cancelled[proto.request_key(c.tenant, rid)] = None  # remembered: its KV may still be on its way
+        key = c.key
+        self.cancelled[key] = None  # remembered: its KV may still be on its way
         while len(self.cancelled) > 4096:
             self.cancelled.pop(next(iter(self.cancelled)))
-        seq = self.active.get(rid)
-        if seq is not None and seq.job.tenant == c.tenant:
+        seq = self.active.get(key)
+        if seq is not None:
             await self._finish(seq, "cancelled")
             return
         for adm in list(self.pending):
-            if adm.job.request_id == rid and adm.job.tenant == c.tenant:
+            if adm.job.key == key:
                 self.pending.remove(adm)
                 self._release(adm)
                 await self._finish_unstarted(adm.job, "cancelled")
@@ -364,7 +365,7 @@ class DecodeService(Service):
                     await self.receiver.wait(res.transfer_id, timeout=10.0)
                 self.pool.free(res.block_ids)
             return
-        if res is not None and proto.request_key(done.decode.tenant, done.request_id) in self.cancelled:
+        if res is not None and done.decode.key in self.cancelled:
             # Cancelled while prefilling: the push is complete, so its landing blocks can be reused safely.
             with contextlib.suppress(Exception):
                 await self.receiver.wait(res.transfer_id, timeout=10.0)
@@ -407,7 +408,7 @@ class DecodeService(Service):
                 if res.expires < now:
                     self.reservations.pop(tid, None)
                     self.pool.free(res.block_ids)
-                    self.log.warning("reservation_expired", request_id=res.request_id, transfer_id=tid)
+                    self.log.warning("reservation_expired", request=res.key, transfer_id=tid)
 
     # --- the engine loop ------------------------------------------------------------------------------
     async def _engine_loop(self) -> None:
@@ -427,7 +428,7 @@ class DecodeService(Service):
                 self.log.exception("engine_loop_error", error=str(exc))
                 for seq in list(self.active.values()):
                     with contextlib.suppress(Exception):  # the engine may be what is broken
-                        await self._drop(seq.job.request_id)
+                        await self._drop(seq.job.key)
                     await self._error(seq.job, ErrorCode.INTERNAL, f"decode engine failed: {exc}")
 
     def _release(self, adm: Admission) -> None:
@@ -436,7 +437,7 @@ class DecodeService(Service):
             adm.blocks, adm.kv = None, None
 
     async def _admit(self, adm: Admission) -> None:
-        self.admitting = adm.job.request_id
+        self.admitting = adm.job.key
         self._admitting_prefill = len(adm.job.context_token_ids()) if adm.kv is None else 0
         try:
             await self._admit_one(adm)
@@ -450,12 +451,12 @@ class DecodeService(Service):
         started_ms = adm.started_ms or now_ms()
         if self._is_revoked(job):
             return
-        if job.request_id in self.active:
+        if job.key in self.active:
             # A duplicate (or a stray job for a running request): the engine holds one sequence per id, and
             # adding it again would fail the whole batch.
             self.log.warning("duplicate_job_ignored", request_id=job.request_id, attempt=job.attempt)
             return
-        if proto.request_key(job.tenant, job.request_id) in self.cancelled:
+        if job.key in self.cancelled:
             await self._finish_unstarted(job, "cancelled")
             return
         if job.deadline_ms is not None and now_ms() > job.deadline_ms:
@@ -483,12 +484,12 @@ class DecodeService(Service):
                 first_lp = self._wire_lp(res.first_logprobs)
                 adm.cached_tokens = max(0, len(job.prompt_token_ids) - res.num_computed_tokens)
             assert first is not None
-            await self.thread.run(self.engine.add_sequence, job.request_id, kv, first, sampling)
+            await self.thread.run(self.engine.add_sequence, job.key, kv, first, sampling)
             tracing.set_attrs(asp, cached_tokens=adm.cached_tokens,
                               prefill_ms=None if prefill_ms is None else round(prefill_ms, 2),
                               local_prefill=adm.kv is None, transfer_ms=adm.transfer_ms,
                               first_token_ms=round(now_ms() - job.created_ms, 2))
-            self.stream_spans[job.request_id] = tracing.tracer().start_span(
+            self.stream_spans[job.key] = tracing.tracer().start_span(
                 "decode.stream", context=tracing.extract(adm.headers),
                 attributes={"request_id": job.request_id, "tenant": job.tenant, "route": str(job.route),
                             **self._gen_ai(job)})
@@ -511,10 +512,10 @@ class DecodeService(Service):
                             transfer_ms=adm.transfer_ms),
         )
         if self._is_revoked(job):  # revoked while it prefilled: it runs elsewhere now
-            await self.thread.run(self._retire, job.request_id, [], False)
-            self.stream_spans.pop(job.request_id, trace.INVALID_SPAN).end()
+            await self.thread.run(self._retire, job.key, [], False)
+            self.stream_spans.pop(job.key, trace.INVALID_SPAN).end()
             return
-        self.active[job.request_id] = seq
+        self.active[job.key] = seq
         await self._emit(seq, first, first_lp)
 
     async def _local_prefill(self, ids: list[int], sampling: Sampling, cache_salt: str | None = None) -> PrefillResult:
@@ -550,10 +551,10 @@ class DecodeService(Service):
         return PrefillResult(first_token=res.first_token, kv=res.kv, num_computed_tokens=computed,
                              first_logprobs=res.first_logprobs)
 
-    def _retire(self, request_id: str, tokens: list[int], keep: bool, cache_salt: str | None = None) -> None:
+    def _retire(self, key: str, tokens: list[int], keep: bool, cache_salt: str | None = None) -> None:
         """Engine thread: drop a sequence, keeping its KV as reusable prefix blocks when it ended well, keyed
         by its job's cache salt (so only its own tenant / cache group can hit them)."""
-        kv = self.engine.remove_sequence(request_id, keep_kv=keep and self.store is not None)
+        kv = self.engine.remove_sequence(key, keep_kv=keep and self.store is not None)
         if kv is not None and self.store is not None:
             self.store.insert(tokens[: kv.shape[3]], kv, cache_salt=cache_salt)
 
@@ -583,10 +584,10 @@ class DecodeService(Service):
         lps = dict(self.engine.step_logprobs())
         ms = (time.perf_counter() - t0) * 1000
         self.step_ms = ms if self.step_ms is None else 0.8 * self.step_ms + 0.2 * ms
-        for rid, tok in out.items():
-            seq = self.active.get(rid)
+        for key, tok in out.items():
+            seq = self.active.get(key)
             if seq is not None:
-                await self._emit(seq, tok, self._wire_lp(lps.get(rid)))
+                await self._emit(seq, tok, self._wire_lp(lps.get(key)))
 
     def _gen_ai(self, job: DecodeJob) -> dict[str, Any]:
         p = job.sampling
@@ -623,7 +624,7 @@ class DecodeService(Service):
 
     async def _finish(self, seq: Sequence, reason: str) -> None:
         job = seq.job
-        await self._drop(job.request_id, [*job.prompt_token_ids, *seq.generated])  # generated includes resumed
+        await self._drop(job.key, [*job.prompt_token_ids, *seq.generated])  # generated includes resumed
         seq.timings.total_ms = now_ms() - job.created_ms
         usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(seq.generated),
                       cached_tokens=seq.cached_tokens)
@@ -643,7 +644,7 @@ class DecodeService(Service):
             status=status,  # type: ignore[arg-type]
             usage=usage, route=job.route, timings=seq.timings, itl_ms=[round(g, 3) for g in gaps],
             kv_bytes=seq.kv_bytes, finish_reason=reason))
-        sp = self.stream_spans.pop(job.request_id, None)
+        sp = self.stream_spans.pop(job.key, None)
         if sp is None:
             sp = trace.INVALID_SPAN
         itl = sorted((b - a) * 1000 for a, b in zip(seq.token_times, seq.token_times[1:], strict=False))
@@ -660,20 +661,20 @@ class DecodeService(Service):
                           completion_tokens=len(seq.generated), route=str(job.route),
                           total_ms=round(seq.timings.total_ms or 0, 1))
 
-    async def _drop(self, request_id: str, tokens: list[int] | None = None) -> None:
-        seq = self.active.pop(request_id, None)
+    async def _drop(self, key: str, tokens: list[int] | None = None) -> None:
+        seq = self.active.pop(key, None)
         if seq is not None:
             # Copying a long sequence's KV into the prefix cache pauses every other stream for that long (a
             # 3,000-token sequence: ~80 ms, most of a decode step); with streams active, skip it. The prompt's
             # prefix stays cached where it was prefilled.
             keep = tokens is not None and (not self.active or len(tokens) <= self.max_retire_copy_tokens)
-            await self.thread.run(self._retire, request_id, tokens or [], keep, seq.job.cache_salt)
+            await self.thread.run(self._retire, key, tokens or [], keep, seq.job.cache_salt)
             if self.kv_events is not None:
                 await self.kv_events.flush()
 
     async def _error(self, job: DecodeJob, code: ErrorCode, message: str) -> None:
         # The sequence's stream span when it was admitted, else whatever span is current (decode.admit).
-        sp = self.stream_spans.pop(job.request_id, None)
+        sp = self.stream_spans.pop(job.key, None)
         for span in (sp,) if sp is not None else (trace.get_current_span(),):
             span.set_attribute("error.code", str(code))
             tracing.record_error(span, message)

@@ -17,7 +17,6 @@ from typing import Any
 import structlog
 from nats.aio.msg import Msg
 
-import proto
 from proto import (
     CancelRequest,
     DecodeJob,
@@ -139,31 +138,32 @@ class VllmDecodeService(DecodeService):
         self._start(done.decode, dict(msg.headers or {}), params, done)
 
     async def on_cancel(self, c: CancelRequest, _: Msg) -> None:
-        self.cancelled[proto.request_key(c.tenant, c.request_id)] = None
+        self.cancelled[c.key] = None
         while len(self.cancelled) > 4096:
             self.cancelled.pop(next(iter(self.cancelled)))
-        seq = self.active.get(c.request_id)
-        if seq is not None and seq.job.tenant == c.tenant:
+        seq = self.active.get(c.key)
+        if seq is not None:
             await self._finish(seq, "cancelled")
 
     # --- serving --------------------------------------------------------------------------------------
     def _start(self, job: DecodeJob, headers: dict[str, str], params: dict[str, Any] | None,
                done: PrefillDone | None) -> None:
-        if job.request_id in self.tasks:
+        if job.key in self.tasks:
             return  # a duplicate delivery of a request already running here
-        rid = job.request_id
+        key = job.key
         task = self.b.spawn(self._serve(job, headers, params, done))
-        self.tasks[rid] = task
+        self.tasks[key] = task
 
         def forget(_: asyncio.Task[None]) -> None:
-            self.tasks.pop(rid, None)
+            self.tasks.pop(key, None)
 
         task.add_done_callback(forget)
 
     async def _serve(self, job: DecodeJob, headers: dict[str, str], params: dict[str, Any] | None,
                      done: PrefillDone | None) -> None:
-        rid = job.request_id
-        if proto.request_key(job.tenant, rid) in self.cancelled:
+        # maps and the engine's request id are keyed by proto.request_key: ids are unique per tenant only
+        rid, key = job.request_id, job.key
+        if key in self.cancelled:
             await self._finish_unstarted(job, "cancelled")
             return
         if job.deadline_ms is not None and now_ms() > job.deadline_ms:
@@ -186,13 +186,13 @@ class VllmDecodeService(DecodeService):
             # and finds the pushed KV by its token hash
             given, params = done.first_token, None
             ids.append(given)
-        req = GenRequest(rid, ids, sampling, max(1, max_new - (given is not None)), tuple(eos), params,
+        req = GenRequest(key, ids, sampling, max(1, max_new - (given is not None)), tuple(eos), params,
                          job.cache_salt)
         first = True
         if given is not None:
-            self.active[rid] = seq
+            self.active[key] = seq
             await self._emit(seq, given, done.first_logprob if done is not None else None)
-            if rid not in self.active:  # finished on its first token (EOS, stop string, max_tokens 1)
+            if key not in self.active:  # finished on its first token (EOS, stop string, max_tokens 1)
                 return
         reason: str | None = None
         t0 = time.perf_counter()
@@ -217,17 +217,17 @@ class VllmDecodeService(DecodeService):
                                                cached_tokens=seq.cached_tokens, local_prefill=done is None,
                                                first_output_ms=round(first_ms, 2), engine="vllm"):
                             pass
-                        self.stream_spans[rid] = tracing.tracer().start_span(
+                        self.stream_spans[key] = tracing.tracer().start_span(
                             "decode.stream", context=tracing.extract(headers),
                             attributes={"request_id": rid, "tenant": job.tenant, "route": str(job.route),
                                         **self._gen_ai(job)})
-                        self.active[rid] = seq
+                        self.active[key] = seq
                     lps = out.logprobs or []
                     for i, tok in enumerate(out.token_ids):
-                        if rid not in self.active:
+                        if key not in self.active:
                             break
                         await self._emit(seq, tok, self._wire_lp(lps[i] if i < len(lps) else None))
-                    if rid not in self.active or out.finished:
+                    if key not in self.active or out.finished:
                         reason = out.finish_reason
                         break
                 await gen.aclose()
@@ -238,7 +238,7 @@ class VllmDecodeService(DecodeService):
                 raise
             except Exception as exc:
                 self.log.exception("vllm_request_failed")
-                self.active.pop(rid, None)
+                self.active.pop(key, None)
                 await self._error(job, ErrorCode.KV_TRANSFER_FAILED if params else ErrorCode.INTERNAL,
                                   f"vLLM request failed: {exc}")
                 return
@@ -250,18 +250,18 @@ class VllmDecodeService(DecodeService):
                     self.log.info("nixl_transfers", request_id=rid, ms=[round(m, 3) for m, _ in xfers],
                                   bytes=[b for _, b in xfers], total_ms=round(sum(m for m, _ in xfers), 3),
                                   total_bytes=sum(b for _, b in xfers))
-            if rid in self.active:  # vLLM finished before our stop checker did (e.g. aborted inside vLLM)
+            if key in self.active:  # vLLM finished before our stop checker did (e.g. aborted inside vLLM)
                 await self._finish(seq, "length" if reason == "length" else "stop")
             elif first:  # no output at all
                 await self._error(job, ErrorCode.INTERNAL, "vLLM returned no output")
 
-    async def _drop(self, request_id: str, tokens: list[int] | None = None) -> None:
-        if self.active.pop(request_id, None) is not None:
+    async def _drop(self, key: str, tokens: list[int] | None = None) -> None:
+        if self.active.pop(key, None) is not None:
             with contextlib.suppress(Exception):
-                await self.engine.abort(request_id)  # type: ignore[attr-defined]
+                await self.engine.abort(key)  # type: ignore[attr-defined]
 
     async def _error(self, job: DecodeJob, code: ErrorCode, message: str) -> None:
-        self.active.pop(job.request_id, None)
+        self.active.pop(job.key, None)
         await super()._error(job, code, message)
 
     async def _lease_sweeper(self) -> None:  # no reservations on a vLLM decoder

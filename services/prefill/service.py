@@ -152,9 +152,10 @@ _GATHER: ContextVar[tuple[PrefillGather, str] | None] = ContextVar("prefill_gath
 
 
 class JobFailed(Exception):
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, unreachable: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.unreachable = unreachable  # the decoder that had no responder (told to the routers in the bounce)
 
 
 class PrefillService(Service):
@@ -245,11 +246,11 @@ class PrefillService(Service):
                           cached_blocks=sum(self.store.stats().blocks.values()) if self.store is not None else 0)
 
     def active_requests(self) -> list[str]:
-        ids = [j.decode.request_id for j, _ in self.queue]
+        keys = [j.decode.key for j, _ in self.queue]  # proto.request_key: ids are unique per tenant only
         if self.current is not None:
-            ids.append(self.current.request_id)
-        ids.extend(j.request_id for j in self.batching)
-        return ids
+            keys.append(self.current.key)
+        keys.extend(j.key for j in self.batching)
+        return keys
 
     def heartbeat_extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"engine": self.opts.engine, "transport": self.opts.transport,
@@ -263,7 +264,7 @@ class PrefillService(Service):
         # also saw the cancel, frees the landing blocks and sends the final message.
         for item in list(self.queue):
             job = item[0].decode
-            if job.request_id == c.request_id and job.tenant == c.tenant:
+            if job.key == c.key:
                 self.queue.remove(item)
                 usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(job.resume_token_ids))
                 await self.b.publish(job.stream_subject, StreamFinal(
@@ -348,7 +349,7 @@ class PrefillService(Service):
                     await self._run(job.decode)
                 except JobFailed as exc:
                     tracing.record_error(sp, str(exc))
-                    await self._fail(job.decode, exc.code, str(exc))
+                    await self._fail(job.decode, exc.code, str(exc), exc.unreachable)
                 except Exception as exc:
                     self.log.exception("prefill_failed", request_id=job.decode.request_id)
                     tracing.record_error(sp, exc)
@@ -358,7 +359,7 @@ class PrefillService(Service):
                 gather[0].leave(gather[1])
 
     async def _reserve(self, job: DecodeJob) -> KvReserveReply:
-        req = KvReserveRequest(request_id=job.request_id, prefill_worker=self.worker_id,
+        req = KvReserveRequest(request_id=job.request_id, tenant=job.tenant, prefill_worker=self.worker_id,
                                num_tokens=len(job.context_token_ids()), transport=self.opts.transport)
         give_up = time.monotonic() + self.reserve_wait_s
         waited = False
@@ -367,7 +368,7 @@ class PrefillService(Service):
                 reply = await self.b.request(Subjects.kv_reserve(job.decoder_id), req, KvReserveReply, timeout=5.0)
             except NoRespondersError:
                 raise JobFailed(ErrorCode.WORKER_DIED, f"decode worker {job.decoder_id} is not running "
-                                "(no responder for its KV reservation subject)") from None
+                                "(no responder for its KV reservation subject)", unreachable=job.decoder_id) from None
             except (NatsTimeout, TimeoutError):
                 raise JobFailed(ErrorCode.WORKER_DIED,
                                 f"decode worker {job.decoder_id} did not answer the KV reservation in 5s") from None
@@ -375,6 +376,11 @@ class PrefillService(Service):
                 raise JobFailed(ErrorCode.KV_TRANSFER_FAILED, f"decoder refused the reservation: {reply.message}")
             if reply.ok:
                 return reply
+            if reply.capacity_tokens is not None:
+                # Every attempt would end the same way (another prefiller, the same decoder pool): say so now.
+                raise JobFailed(ErrorCode.PROMPT_TOO_LONG,
+                                f"the prompt's {req.num_tokens:,} tokens do not fit decoder {job.decoder_id}'s KV "
+                                f"landing buffer ({reply.capacity_tokens:,} tokens; its --landing-tokens)")
             if reply.retry_after_ms is None:
                 raise JobFailed(ErrorCode.KV_TRANSFER_FAILED, reply.error or "decoder refused the reservation")
             if time.monotonic() > give_up:
@@ -536,14 +542,14 @@ class PrefillService(Service):
                     self.store.insert(ids, res.kv, cache_salt=salt)
         return results
 
-    async def _fail(self, job: DecodeJob, code: ErrorCode, message: str) -> None:
+    async def _fail(self, job: DecodeJob, code: ErrorCode, message: str, unreachable: str | None = None) -> None:
         if code in BOUNCE_CODES:
             # The hand-off failed, not the request: the router dispatches it again (bounded migrations).
             self.log.warning("job_bounced", request_id=job.request_id, code=str(code), reason=message,
                              attempt=job.attempt)
             await self.b.publish(Subjects.bounced(job.tenant, job.request_id), JobBounced(
                 request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id, attempt=job.attempt,
-                code=code, message=message))
+                code=code, message=message, decoder=unreachable))
             return
         self.log.warning("request_failed", request_id=job.request_id, code=str(code), reason=message)
         await self.b.publish(job.stream_subject, StreamError(request_id=job.request_id, code=code, message=message,

@@ -105,7 +105,7 @@ class VllmPrefillService(PrefillService):
         if self.vopts.kv_connector == "lmcache":
             from splitserve.engines.lmcache_pd import prefill_params
 
-            return prefill_params(job.request_id, job.decoder_id, tp_size=self.vopts.tensor_parallel_size)
+            return prefill_params(job.key, job.decoder_id, tp_size=self.vopts.tensor_parallel_size)
         return {"do_remote_decode": True}
 
     async def _run(self, job: DecodeJob) -> None:
@@ -114,7 +114,8 @@ class VllmPrefillService(PrefillService):
             raise JobFailed(ErrorCode.EXPIRED, "the request's deadline passed before prefill started")
         ids = list(job.prompt_token_ids)
         sampling = engine_sampling(job.sampling, len(ids), self.engine.info.eos_token_ids)
-        req = GenRequest(job.request_id, ids, sampling, 1, (), self.remote_decode_params(job), job.cache_salt)
+        # the engine's request id is proto.request_key: two tenants' requests may share an id
+        req = GenRequest(job.key, ids, sampling, 1, (), self.remote_decode_params(job), job.cache_salt)
         first: int | None = None
         first_lp = None
         cached = 0
@@ -143,7 +144,7 @@ class VllmPrefillService(PrefillService):
         if self.lmcache_done is not None:
             # LMCache pushes after the prefill step; every TP rank reports when its part has landed
             try:
-                await self.lmcache_done.wait(job.request_id, self.vopts.tensor_parallel_size)
+                await self.lmcache_done.wait(job.key, self.vopts.tensor_parallel_size)
             except TimeoutError:
                 raise JobFailed(ErrorCode.KV_TRANSFER_FAILED,
                                 f"LMCache did not confirm the KV push to {job.decoder_id}") from None

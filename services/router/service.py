@@ -170,6 +170,10 @@ class Inflight:
     cancelled: bool = False  # a cancel arrived (it may have reached no worker while the request moved)
     sub: Any = None  # the stream subscription
 
+    @property
+    def key(self) -> str:
+        return proto.request_key(self.tenant, self.request_id)
+
 
 class RouterService(Service):
     role = "router"
@@ -207,6 +211,8 @@ class RouterService(Service):
         self.no_worker_wait_s = no_worker_wait_s
         self.max_inflight = max_inflight
         self.registry = WorkerRegistry()
+        # Every map of requests is keyed by ``proto.request_key(tenant, id)``: an id is unique only within its
+        # tenant, so tenant A using B's id (before or after B) must find nothing of B's.
         self.inflight: dict[str, Inflight] = {}
         self._worker_change = asyncio.Event()
         self.tenants_file = tenants_file
@@ -219,7 +225,7 @@ class RouterService(Service):
         # Requests cancelled (or expired) while waiting in the queue: dropped when they reach dispatch.
         self.dropped: OrderedDict[str, None] = OrderedDict()
         self._deadlines: list[tuple[float, str, str]] = []  # (deadline ms, tenant, request id) accepted here
-        self._accepted_meta: dict[str, tuple[str, str, int]] = {}  # rid -> (tenant, stream subject, prompt len)
+        self._accepted_meta: dict[str, tuple[str, str, int]] = {}  # key -> (tenant, stream subject, prompt len)
         self._rates: dict[tuple[str, str], _Rate] = {}  # only tenants that passed _tenant_slot: bounded
         self._open_tenants: set[str] = set()  # open mode: the tenant names seen (at most OPEN_MODE_MAX_TENANTS)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -231,13 +237,13 @@ class RouterService(Service):
         self._remote_fair: dict[tuple[str, str], dict[str, float]] = {}  # (router, incarnation) -> its charges
         # router -> tenant -> virtual tokens of its DispatchNotes since its last FairShareReport
         self._remote_recent: dict[str, dict[str, float]] = {}
-        self._claiming: set[str] = set()  # request ids this router is claiming/dispatching now
+        self._claiming: set[str] = set()  # requests this router is claiming/dispatching now
         # Decode slots freed since a decoder's last heartbeat (free_slots): the requests that heartbeat listed
         # as running whose RequestFinished arrived since. Without it a slot stayed taken until the next
         # heartbeat (0.5 s), which capped a decoder at ~its batch size per heartbeat interval.
         self._hb_listed: dict[str, set[str]] = {}  # decoder -> requests its last heartbeat listed, not ended
         self._hb_gone: dict[str, int] = {}  # decoder -> how many of those ended since
-        self._recent_ends: OrderedDict[str, None] = OrderedDict()  # request ids whose end arrived lately
+        self._recent_ends: OrderedDict[str, None] = OrderedDict()  # requests whose end arrived lately
 
     async def setup(self) -> None:
         from services.router.tokenize import PromptTokenizer
@@ -319,15 +325,15 @@ class RouterService(Service):
             self._hb_listed[hb.worker_id] = {r for r in hb.active_requests if r not in ends}
             self._hb_gone[hb.worker_id] = 0
         if hb.role in ("decode", "prefill"):
-            for rid in hb.active_requests:
-                inf = self.inflight.get(rid)
+            for key in hb.active_requests:  # proto.request_key(tenant, id)
+                inf = self.inflight.get(key)
                 if inf is None:
                     continue
                 if hb.worker_id in (inf.decoder, inf.prefiller):
                     inf.confirmed = True
                 if hb.role == "decode" and inf.decoder == hb.worker_id:
                     inf.holder = hb.worker_id  # a request handed from prefiller to decoder is the decoder's now
-                self.policy.release(rid, hb.worker_id)  # this worker's own load report now counts it
+                self.policy.release(key, hb.worker_id)  # this worker's own load report now counts it
         self._worker_change.set()
 
     async def on_kv_events(self, batch: KvEventBatch, _: Msg) -> None:
@@ -338,25 +344,26 @@ class RouterService(Service):
     async def on_finished(self, ev: RequestFinished, _: Msg) -> None:
         # Every router hears every RequestFinished; only the request's owner (the router holding it in
         # flight) settles it, so its quota and registry record are settled once.
-        self._note_end(ev.request_id, ev.worker_id)
-        inf = self.inflight.pop(ev.request_id, None)
+        key = ev.key
+        self._note_end(key, ev.worker_id)
+        inf = self.inflight.pop(key, None)
         used = (ev.usage.prompt_tokens + ev.usage.completion_tokens) if ev.usage is not None else None
         if inf is not None:
             await self._retire(inf, used, ev.status)
-        self.policy.release(ev.request_id)
-        self._accepted_meta.pop(ev.request_id, None)
+        self.policy.release(key)
+        self._accepted_meta.pop(key, None)
         if not self.use_queue:
             self.quota.finish(ev.tenant, ev.request_id, used, time.monotonic())
 
-    def _note_end(self, rid: str, worker: str) -> None:
+    def _note_end(self, key: str, worker: str) -> None:
         """A request ended on ``worker``: a slot its last heartbeat showed taken is free now (free_slots)."""
         listed = self._hb_listed.get(worker)
-        if listed is not None and rid in listed:
-            listed.discard(rid)
+        if listed is not None and key in listed:
+            listed.discard(key)
             self._hb_gone[worker] = self._hb_gone.get(worker, 0) + 1
             self._dispatch_wake.set()
         ends = self._recent_ends
-        ends[rid] = None
+        ends[key] = None
         if len(ends) > 20_000:
             ends.popitem(last=False)
 
@@ -394,7 +401,7 @@ class RouterService(Service):
             ended = rec.model_copy(update={"state": "ended", "status": status, "used_tokens": used_tokens})
             if rev and await self.requests.cas(ended, rev) is None:
                 try:
-                    got = await self.requests.get(rec.request_id)
+                    got = await self.requests.get(rec.tenant, rec.request_id)
                 except CorruptRecord as exc:  # not a router's value: this end replaces it
                     await self.requests.cas(ended, exc.revision)
                     got = None
@@ -452,7 +459,7 @@ class RouterService(Service):
             self.b.spawn(self._migrate(inf, inf.attempt, reason, inf.holder, decoder_failed=False))
 
     async def _fail(self, inf: Inflight, code: ErrorCode, message: str, worker: str | None = None) -> None:
-        self.inflight.pop(inf.request_id, None)
+        self.inflight.pop(inf.key, None)
         await self._retire(inf, None)
         if inf.trace_ctx is not None and trace.get_current_span().get_span_context() != inf.trace_ctx:
             # router.request ended long ago (e.g. the decoder died mid-stream): record the failure in the
@@ -486,10 +493,10 @@ class RouterService(Service):
         inf.request, inf.job = req, job
         if not req.stream:
             return
-        rid = req.request_id
+        rid, key = req.request_id, req.key
 
         async def on_msg(raw: Msg) -> None:
-            if self.inflight.get(rid) is inf:
+            if self.inflight.get(key) is inf:
                 self._on_stream(inf, raw.data)
 
         try:
@@ -514,16 +521,26 @@ class RouterService(Service):
             inf.tracked = False  # a delta went missing here: resuming would skip or repeat tokens
 
     async def on_bounced(self, ev: JobBounced, _: Msg) -> None:
-        inf = self.inflight.get(ev.request_id)
-        if inf is None or inf.tenant != ev.tenant or inf.attempt != ev.attempt:
+        inf = self.inflight.get(ev.key)
+        if inf is None or inf.attempt != ev.attempt:
             return
         self.log.warning("job_bounced", request_id=ev.request_id, worker=ev.worker_id, code=str(ev.code),
                          reason=ev.message)
+        if ev.code == ErrorCode.WORKER_DIED and ev.decoder == inf.decoder:
+            # The prefiller found the decoder unreachable: do not send the request (or any other) back there on
+            # the strength of a heartbeat its process may not outlive (SIGKILLed, restarting): wait for the next.
+            self.registry.unreachable(inf.decoder)
         self.b.spawn(self._migrate(inf, inf.attempt, f"{ev.message} (from {ev.worker_id})", ev.worker_id,
                                    decoder_failed=False, code=ev.code))
 
     def _worker_lost(self, wid: str, reason: str) -> None:
+        # A worker id whose process was replaced by a new one: requests routed since the new one appeared are
+        # the new process's (a request waiting for a live decoder goes there at once), not the dead one's.
+        st = self.registry.workers.get(wid)
+        fresh = st.first_seen if st is not None and st.dead_reason is None else float("inf")
         for inf in list(self.inflight.values()):
+            if inf.routed_at >= fresh:
+                continue
             if inf.decoder == wid or (inf.holder == wid and inf.prefiller != wid):
                 self.b.spawn(self._migrate(inf, inf.attempt, reason, wid, decoder_failed=True))
             elif inf.prefiller == wid and not inf.started:
@@ -534,7 +551,7 @@ class RouterService(Service):
                        code: ErrorCode = ErrorCode.WORKER_DIED) -> None:
         """Move one attempt of a request to another worker (idempotent per attempt: several signals of the
         same failure move it once)."""
-        if self.inflight.get(inf.request_id) is not inf or inf.attempt != attempt or inf.migrating:
+        if self.inflight.get(inf.key) is not inf or inf.attempt != attempt or inf.migrating:
             return
         inf.migrating = True
         try:
@@ -549,7 +566,7 @@ class RouterService(Service):
                 await self._migrate_once(inf, attempt, reason, failed, decoder_failed, sp, code)
         except Exception as exc:  # never leave the caller waiting on a bug here
             self.log.exception("migration_failed", request_id=inf.request_id, error=str(exc))
-            if self.inflight.get(inf.request_id) is inf:
+            if self.inflight.get(inf.key) is inf:
                 await self._fail(inf, ErrorCode.INTERNAL, f"{reason}; moving the request failed: {exc}", failed)
         finally:
             inf.migrating = False
@@ -596,7 +613,7 @@ class RouterService(Service):
                              f"(--max-migrations {self.max_migrations})", failed)
             return
         decoders = await self._wait_for_decoders()
-        if self.inflight.get(inf.request_id) is not inf:
+        if self.inflight.get(inf.key) is not inf:
             return
         if not decoders:
             tracing.set_attrs(sp, migrated=False)
@@ -608,7 +625,7 @@ class RouterService(Service):
         now = time.monotonic()
         views = [self._view(hb) for hb in self.registry.live("decode", now) + self.registry.live("prefill", now)]
         salt = self._cache_salt(req)
-        rreq = RoutingRequest(request_id=req.request_id, tenant=req.tenant, token_ids=context,
+        rreq = RoutingRequest(request_id=req.key, tenant=req.tenant, token_ids=context,
                               session_key=req.session_id, force_route=None if req.route == "auto" else req.route,
                               cache_salt=salt)
         try:
@@ -617,7 +634,7 @@ class RouterService(Service):
             await self._fail(inf, ErrorCode.WORKER_DIED, f"{reason} while serving this request; {exc}", failed)
             return
         route = Route(decision.route)
-        ddict = decision.to_dict()
+        ddict = {**decision.to_dict(), "request_id": req.request_id}  # the policy knows it by its key
         job = old.model_copy(update=dict(
             attempt=attempt + 1, resume_token_ids=list(inf.tokens), resume_text="".join(inf.text),
             start_seq=inf.next_seq, route=route, decoder_id=decision.decoder, prefill_worker=decision.prefiller,
@@ -647,7 +664,7 @@ class RouterService(Service):
     async def _end_here(self, inf: Inflight, reason: Literal["cancelled", "length"]) -> None:
         """End a request whose worker is gone here, with what the caller already has: it was cancelled while
         it had no worker, or its output was already complete."""
-        self.inflight.pop(inf.request_id, None)
+        self.inflight.pop(inf.key, None)
         job = inf.job
         assert job is not None
         usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(inf.tokens))
@@ -677,15 +694,13 @@ class RouterService(Service):
         # and skipped when it reaches dispatch.
         # c.tenant is the tenant the cancel's subject names (the bus refused a body that disagrees): a request
         # of any other tenant is not touched, whatever its id.
-        inf = self.inflight.get(c.request_id)
+        inf = self.inflight.get(c.key)
         if inf is not None:
-            if inf.tenant == c.tenant:
-                inf.cancelled = True  # its worker ends it; a migration in between ends it instead of moving it
+            inf.cancelled = True  # its worker ends it; a migration in between ends it instead of moving it
             return
         if not self.use_queue:
-            meta = self._accepted_meta.get(c.request_id)
-            if meta is not None and meta[0] == c.tenant:
-                await self._end_queued(c.request_id, "cancelled", c.reason)
+            if c.key in self._accepted_meta:
+                await self._end_queued(c.key, "cancelled", c.reason)
             return
         # Every router hears the cancel and any may hold the request's queue message: the one whose
         # compare-and-set moves the record from queued to ended sends the final; dispatch can no longer win it.
@@ -693,18 +708,18 @@ class RouterService(Service):
 
     async def _end_if_queued(self, tenant: str, rid: str, reason: str, why: str) -> None:
         try:
-            got = await self.requests.get(rid)
-            while got is not None and got[0].state == "queued" and got[0].tenant == tenant:
+            got = await self.requests.get(tenant, rid)
+            while got is not None and got[0].state == "queued":
                 rec, rev = got
                 ended = rec.model_copy(update={"state": "ended", "status": reason,
                                                "used_tokens": rec.prompt_tokens})
                 if await self.requests.cas(ended, rev) is not None:
-                    self._accepted_meta[rid] = (rec.tenant, rec.stream_subject, rec.prompt_tokens)
-                    await self._end_queued(rid, reason, why)
+                    self._accepted_meta[rec.key] = (rec.tenant, rec.stream_subject, rec.prompt_tokens)
+                    await self._end_queued(rec.key, reason, why)
                     if self.quota.has_dynamic_limits(rec.tenant):
                         await self.shared_quota.finish(rec.tenant, rid, rec.prompt_tokens)
                     return
-                got = await self.requests.get(rid)
+                got = await self.requests.get(tenant, rid)
         except Exception as exc:
             self.log.warning("end_queued_failed", request_id=rid, reason=reason, error=str(exc))
 
@@ -712,16 +727,18 @@ class RouterService(Service):
         now = now_ms()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, tenant, rid = heapq.heappop(self._deadlines)
-            if rid in self._accepted_meta and rid not in self.inflight:
+            key = proto.request_key(tenant, rid)
+            if key in self._accepted_meta and key not in self.inflight:
                 why = "the deadline passed while the request waited in the queue"
                 if self.use_queue:
                     self.b.spawn(self._end_if_queued(tenant, rid, "expired", why))
                 else:
-                    await self._end_queued(rid, "expired", why)
+                    await self._end_queued(key, "expired", why)
 
-    async def _end_queued(self, rid: str, reason: str, why: str) -> None:
-        tenant, stream_subject, prompt_tokens = self._accepted_meta.pop(rid)
-        self.dropped[rid] = None
+    async def _end_queued(self, key: str, reason: str, why: str) -> None:
+        tenant, stream_subject, prompt_tokens = self._accepted_meta.pop(key)
+        rid = key[len(tenant) + 1:]
+        self.dropped[key] = None
         while len(self.dropped) > 100_000:
             self.dropped.popitem(last=False)
         self.log.info("queued_request_ended", request_id=rid, tenant=tenant, reason=reason, why=why)
@@ -782,21 +799,13 @@ class RouterService(Service):
 
     async def _intake(self, req: GenerateRequest, msg: Msg, sp: trace.Span) -> None:
         log = self.log.bind(request_id=req.request_id, tenant=req.tenant)
-        dup = self.inflight.get(req.request_id)
-        if dup is None and req.request_id in self._accepted_meta:
-            dup_tenant: str | None = self._accepted_meta[req.request_id][0]
-        else:
-            dup_tenant = dup.tenant if dup is not None else None
-        if dup_tenant is not None:
+        if req.key in self.inflight or req.key in self._accepted_meta:
             # Idempotent: a client that reconnected re-sends its request; it is the same request, so accept it
-            # again (it keeps streaming on the same subject) instead of running it twice.
-            if dup_tenant == req.tenant:
-                log.info("duplicate_request_reattached")
-                await self.b.respond(msg, Accepted(request_id=req.request_id, router_id=self.worker_id,
-                                                   prompt_tokens=0))
-            else:
-                await self._reject(req, msg, ErrorCode.BAD_REQUEST,
-                                   f"request id {req.request_id} is already in use; use a new request id")
+            # again (it keeps streaming on the same subject) instead of running it twice. (Keyed by tenant: the
+            # same id of another tenant is another request.)
+            log.info("duplicate_request_reattached")
+            await self.b.respond(msg, Accepted(request_id=req.request_id, router_id=self.worker_id,
+                                               prompt_tokens=0))
             return
         if not self.tenants.known(req.tenant):
             await self._reject(req, msg, ErrorCode.UNKNOWN_TENANT, f"tenant {req.tenant!r} is not in the tenants "
@@ -955,7 +964,7 @@ class RouterService(Service):
             await self.wq.enqueue(q)
         except Exception as exc:
             # Not stored, so not accepted: the caller may retry (the queue stream full or unreachable).
-            await self.requests.delete(rid, rev)
+            await self.requests.delete(rec, rev)
             await self._unreserve(tenant, rid, reserved)
             if isinstance(exc, PayloadTooLarge):
                 await self._reject(req, msg, ErrorCode.PAYLOAD_TOO_LARGE, str(exc))
@@ -963,7 +972,7 @@ class RouterService(Service):
                 await self._reject(req, msg, ErrorCode.BUSY, f"the request queue did not take the request: {exc}",
                                    retry_after_s=1.0)
             return
-        self._accepted_meta[rid] = (tenant, req.stream_subject, len(ids))
+        self._accepted_meta[req.key] = (tenant, req.stream_subject, len(ids))
         if req.deadline_ms is not None:
             heapq.heappush(self._deadlines, (req.deadline_ms, tenant, rid))
         self._rate(tenant, "accepted").add(time.monotonic())
@@ -982,7 +991,7 @@ class RouterService(Service):
         subject); already ended, running it again would serve it twice, so say so."""
         rid = req.request_id
         try:
-            got = await self.requests.get(rid)
+            got = await self.requests.get(req.tenant, rid)
         except Exception as exc:
             await self._reject(req, msg, ErrorCode.BUSY, f"the request registry is unreachable: {exc}",
                                retry_after_s=1.0)
@@ -992,10 +1001,6 @@ class RouterService(Service):
                                retry_after_s=0.5)
             return
         rec, rev = got
-        if rec.tenant != req.tenant:
-            await self._reject(req, msg, ErrorCode.BAD_REQUEST,
-                               f"request id {rid} is already in use; use a new request id")
-            return
         if rec.state == "ended":
             await self._reject(req, msg, ErrorCode.BAD_REQUEST,
                                f"request {rid} already ended ({rec.status}); use a new request id")
@@ -1079,7 +1084,7 @@ class RouterService(Service):
             await qmsg.term()
             return
         req = q.request
-        rid = req.request_id
+        rid, key = req.request_id, req.key
         if (refusal := identity_refusal(qmsg.subject, q)) is not None:
             # Only routers may write the queue; a message whose body disagrees with its lane was not written by
             # one (or the lane was mis-named): it must not run as the tenant it claims.
@@ -1092,30 +1097,29 @@ class RouterService(Service):
             wait_ms = max(0.0, now_ms() - q.accepted_ms)
             tracing.set_attrs(sp, queue_wait_ms=round(wait_ms, 2), deliveries=delivered)
             sp.set_attributes(tracing.gen_ai_of(req, self._model_name()))
-            if rid in self.inflight:  # redelivered while we still run it (a missed keep-alive): keep the newest
-                self.inflight[rid].queue_msg = qmsg
+            if key in self.inflight:  # redelivered while we still run it (a missed keep-alive): keep the newest
+                self.inflight[key].queue_msg = qmsg
                 return
-            if rid in self.dropped:
+            if key in self.dropped:
                 await qmsg.ack()
                 return
-            if rid in self._claiming:  # a second copy of a request this router is dispatching right now
+            if key in self._claiming:  # a second copy of a request this router is dispatching right now
                 return
-            self._claiming.add(rid)
+            self._claiming.add(key)
             try:
                 await self._dispatch_claimed(q, qmsg, sp)
             finally:
-                self._claiming.discard(rid)
+                self._claiming.discard(key)
 
     async def _dispatch_claimed(self, q: QueuedRequest, qmsg: Msg, sp: trace.Span) -> None:
         req = q.request
-        rid = req.request_id
         claimed = await self._claim(q, qmsg, sp)
         if claimed is None:
             return
         rec, rev = claimed
         if req.deadline_ms is not None and now_ms() >= req.deadline_ms:
-            self._accepted_meta.setdefault(rid, (req.tenant, req.stream_subject, len(q.prompt_token_ids)))
-            await self._end_queued(rid, "expired", "the deadline passed while the request waited in the queue")
+            self._accepted_meta.setdefault(req.key, (req.tenant, req.stream_subject, len(q.prompt_token_ids)))
+            await self._end_queued(req.key, "expired", "the deadline passed while the request waited in the queue")
             await self._settle(rec, rev, "expired", len(q.prompt_token_ids))
             await qmsg.ack()
             return
@@ -1149,7 +1153,7 @@ class RouterService(Service):
                 return mine, new_rev
         for _ in range(8):
             try:
-                got = await self.requests.get(rid)
+                got = await self.requests.get(req.tenant, rid)
             except CorruptRecord as exc:
                 # Nothing a router wrote. The queue still holds the request, so it was accepted and has not been
                 # settled: recover it as one whose owner died (ended per the usage stream, running per the
@@ -1208,18 +1212,18 @@ class RouterService(Service):
             return None
         now = time.monotonic()
         for hb in self.registry.live("decode", now) + self.registry.live("prefill", now):
-            if rid in hb.active_requests:
+            if req.key in hb.active_requests:
                 self.log.info("redelivered_adopted", request_id=rid, holder=hb.worker_id, previous_owner=rec.owner)
                 tracing.set_attrs(sp, adopted_from=hb.worker_id)
                 is_decoder = hb.role == "decode"
-                self.inflight[rid] = Inflight(
+                self.inflight[req.key] = Inflight(
                     request_id=rid, tenant=req.tenant, stream_subject=req.stream_subject,
                     decoder=hb.worker_id if is_decoder else "", prefiller=None if is_decoder else hb.worker_id,
                     holder=hb.worker_id, queue_msg=qmsg, record=mine, record_rev=new_rev,
                     confirmed=True)  # its worker's heartbeat lists it
                 return None
         if int(qmsg.metadata.num_delivered) > MAX_DELIVERIES:
-            self._accepted_meta.pop(rid, None)
+            self._accepted_meta.pop(req.key, None)
             await self._publish_failure(rid, req.tenant, req.stream_subject, ErrorCode.INTERNAL,
                                         f"the request was handed to a router {MAX_DELIVERIES} times and none "
                                         "finished dispatching it")
@@ -1267,7 +1271,7 @@ class RouterService(Service):
         now = time.monotonic()
         views = [self._view(hb) for hb in self.registry.live("decode", now) + self.registry.live("prefill", now)]
         salt = self._cache_salt(req)
-        rreq = RoutingRequest(request_id=req.request_id, tenant=req.tenant, token_ids=ids,
+        rreq = RoutingRequest(request_id=req.key, tenant=req.tenant, token_ids=ids,
                               session_key=req.session_id, force_route=None if req.route == "auto" else req.route,
                               cache_salt=salt)
         try:
@@ -1276,7 +1280,7 @@ class RouterService(Service):
             if msg is not None:
                 await self._reject(req, msg, ErrorCode.NO_WORKERS, str(exc))
             else:
-                self._accepted_meta.pop(req.request_id, None)
+                self._accepted_meta.pop(req.key, None)
                 await self._publish_failure(req.request_id, req.tenant, req.stream_subject, ErrorCode.NO_WORKERS,
                                             str(exc))
                 if record is not None:
@@ -1290,7 +1294,9 @@ class RouterService(Service):
             request_id=req.request_id, tenant=req.tenant, prompt_token_ids=ids, sampling=req.sampling,
             stream_subject=req.stream_subject, route=route, decoder_id=decision.decoder,
             prefill_worker=decision.prefiller, created_ms=req.created_ms, routed_ms=now_ms(),
-            deadline_ms=req.deadline_ms, decision={**decision.to_dict(), "router": self.worker_id},
+            deadline_ms=req.deadline_ms,
+            # the policy knows the request by its key (tenant.id); the caller by its id
+            decision={**decision.to_dict(), "request_id": req.request_id, "router": self.worker_id},
             stream=req.stream, cache_salt=salt,
         )
         charge = len(ids) + req.sampling.max_tokens
@@ -1300,7 +1306,7 @@ class RouterService(Service):
         if record is not None:
             inf.record, inf.record_rev = record
         self.fair.charge(req.tenant, charge)
-        self.inflight[req.request_id] = inf
+        self.inflight[req.key] = inf
         inf.trace_ctx = sp.get_span_context() if sp.get_span_context().is_valid else None
         ddict = job.decision
         if self.use_queue:
@@ -1328,7 +1334,7 @@ class RouterService(Service):
         entries = [(note.decoder, note.decoder_tokens, note.blocks)]
         if note.prefiller is not None:
             entries.append((note.prefiller, note.prefiller_tokens, 0))
-        self.policy.on_remote_routed(note.request_id, entries, time.monotonic())
+        self.policy.on_remote_routed(note.key, entries, time.monotonic())
         if note.tenant and note.virtual_tokens:
             recent = self._remote_recent.setdefault(note.router_id, {})
             recent[note.tenant] = recent.get(note.tenant, 0.0) + note.virtual_tokens
@@ -1371,7 +1377,7 @@ class RouterService(Service):
             for tenant in self.shared_quota.tenants():
                 for rid in self.quota.stale(tenant, RECONCILE_AFTER_S, time.time())[:256]:
                     try:
-                        got = await self.requests.get(rid)
+                        got = await self.requests.get(tenant, rid)
                         if got is None or got[0].state == "ended":
                             self.log.info("quota_reservation_reconciled", request_id=rid, tenant=tenant,
                                           record="missing" if got is None else "ended")

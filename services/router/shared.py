@@ -1,7 +1,8 @@
 """State the router replicas share, kept in JetStream KV buckets: JetStream mechanics only.
 
-* ``RequestRegistry`` (bucket ``SS_REQUESTS``): one ``proto.RequestRecord`` per request id. Intake creates it
-  create-only, so a request id is accepted once across every router (a re-send to any replica finds it and
+* ``RequestRegistry`` (bucket ``SS_REQUESTS``): one ``proto.RequestRecord`` per request, keyed ``tenant.request``
+  (ids are the clients' own, unique per tenant). Intake creates it create-only, so a request is accepted once
+  across every router (a re-send to any replica finds it and
   reattaches); every later move (queued -> dispatched -> ended, or queued -> ended for a request cancelled or
   expired in the queue, or a change of owner when a router adopts a dead router's request) is a
   compare-and-set on the key's revision, so exactly one router wins it. Entries live ``ttl_s`` (the bucket's
@@ -68,15 +69,17 @@ class RequestRegistry:
     async def create(self, rec: RequestRecord) -> int | None:
         """Store a new request's record; its revision, or None if the id is already known."""
         try:
-            return await self._kv().create(rec.request_id, proto.encode(rec))
+            return await self._kv().create(rec.key, proto.encode(rec))
         except KeyWrongLastSequenceError:
             return None
 
-    async def get(self, request_id: str) -> tuple[RequestRecord, int] | None:
-        """The record and its revision; None when there is none; CorruptRecord when the stored value is not a
-        record of this request (no router writes such a value: an insider's, or a damaged store's)."""
+    async def get(self, tenant: str, request_id: str) -> tuple[RequestRecord, int] | None:
+        """The record of ``tenant``'s request and its revision; None when there is none; CorruptRecord when the
+        stored value is not a record of this request (no router writes such a value: an insider's, or a damaged
+        store's)."""
+        key = proto.request_key(tenant, request_id)
         try:
-            e = await self._kv().get(request_id)
+            e = await self._kv().get(key)
         except KeyNotFoundError:
             return None
         revision = int(e.revision or 0)
@@ -84,22 +87,23 @@ class RequestRegistry:
             rec = proto.decode(e.value or b"", RequestRecord)
         except proto.ProtocolError as exc:
             raise CorruptRecord(request_id, revision, exc.message) from None
-        if rec.request_id != request_id:
-            raise CorruptRecord(request_id, revision, f"it is request {rec.request_id[:64]!r}'s record")
+        if rec.key != key:
+            raise CorruptRecord(request_id, revision, f"it is request {rec.key[:130]!r}'s record")
         return rec, revision
 
     async def cas(self, rec: RequestRecord, revision: int) -> int | None:
         """Replace the record if it is still at ``revision``; the new revision, or None if it moved."""
         rec.updated_ms = proto.now_ms()
         try:
-            return await self._kv().update(rec.request_id, proto.encode(rec), last=revision)
+            return await self._kv().update(rec.key, proto.encode(rec), last=revision)
         except KeyWrongLastSequenceError:
             return None
 
-    async def delete(self, request_id: str, revision: int) -> None:
+    async def delete(self, rec: RequestRecord, revision: int) -> None:
         """Forget a record this router just created (the request was not accepted after all)."""
+        request_id = rec.request_id
         try:
-            await self._kv().delete(request_id, last=revision)
+            await self._kv().delete(rec.key, last=revision)
         except Exception as exc:  # moved meanwhile (a re-send reattached): leave it, it expires
             log.warning("request_record_delete_failed", request_id=request_id, error=str(exc))
 

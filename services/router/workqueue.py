@@ -1,7 +1,7 @@
 """The durable request queue between the router's intake and its dispatch: JetStream mechanics only.
 
 One work-queue stream (``SS_QUEUE``) with a subject per tenant and priority class (``ss.q.{tenant}.p{c}``).
-Intake publishes each accepted request with ``Nats-Msg-Id`` = its request id, so a re-sent request is
+Intake publishes each accepted request with ``Nats-Msg-Id`` = ``tenant.request``, so a re-sent request is
 de-duplicated by the server. Dispatch pulls one message at a time from the (tenant, class) the fair
 scheduler picks, through one durable pull consumer per (tenant, class) shared by every router; a message
 stays un-acked while its request runs (kept alive with in-progress acks) and is acked when it finishes, so a
@@ -148,7 +148,7 @@ class WorkQueue:
         klass = priority_class(req.priority)
         subject = Subjects.queue(req.tenant, klass)
         data = self.bus._payload(q)
-        headers = tracing.inject(proto.headers_for(q, {"Nats-Msg-Id": req.request_id}))
+        headers = tracing.inject(proto.headers_for(q, {"Nats-Msg-Id": req.key}))
         ack = await self.js.publish(subject, data, headers=headers, timeout=5.0)
         if ack.duplicate:
             return False

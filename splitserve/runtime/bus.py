@@ -13,8 +13,9 @@ published with a PubAck awaited and retried until stored (from a background task
 election), and a streaming request's terminal, sent live on ``ss.stream.T.R``, gets a stored copy on
 ``ss.result.T.R``, from which a client that missed it recovers (:meth:`splitserve.client.Client.result`).
 Every attempt of one message carries the same ``Nats-Msg-Id``: the stream keeps one copy, and a listener on the
-wire can tell a retried message (same id) from a second one. Until confirmed, the request id stays in
-:attr:`Bus.unconfirmed` (heartbeats list it as active, so a router never takes it for lost and runs it again).
+wire can tell a retried message (same id) from a second one. Until confirmed, the request (its
+``proto.request_key``) stays in :attr:`Bus.unconfirmed` (heartbeats list it as active, so a router never takes it
+for lost and runs it again).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class Bus:
         self._reconnect_waiters: set[asyncio.Future[None]] = set()
         self._durable: set[asyncio.Task[Any]] = set()
         self.last_reconnect = 0.0  # time.monotonic() of the latest reconnect
-        self.unconfirmed: dict[str, int] = {}  # request id -> terminal messages not yet stored by JetStream
+        self.unconfirmed: dict[str, int] = {}  # request key -> terminal messages not yet stored by JetStream
         self.durable_retries = 0  # attempts after the first (an election, a dead node): for tests and logs
 
     @classmethod
@@ -246,7 +247,8 @@ class Bus:
         hdrs = tracing.inject(proto.headers_for(msg, {**(headers or {}), "Nats-Msg-Id": uuid.uuid4().hex}))
         if stored != subject:  # live on the stream subject now; the stored copy follows
             await self.nc.publish(subject, data, reply=reply, headers=hdrs)
-        rid = subject.rsplit(".", 1)[-1]
+        tenant, rid = proto.subject_identity(stored)  # a stored subject always names both
+        rid = proto.request_key(tenant, rid or "")
         self.unconfirmed[rid] = self.unconfirmed.get(rid, 0) + 1
         task = asyncio.ensure_future(self._publish_stored(stored, data, hdrs, rid))
         self._durable.add(task)

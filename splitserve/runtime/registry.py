@@ -15,6 +15,10 @@ class WorkerState:
     first_seen: float
     dead_reason: str | None = None
     was_ready: bool = False  # a worker still loading its model holds no requests: its silence is not a death
+    # A peer found it unreachable (no responder on its subjects) since its last heartbeat: not routed to until it
+    # heartbeats again. Its last "ready" may be the last word of a process that just died (up to the heartbeat
+    # timeout ago), and every request routed there meanwhile would bounce back and forth until out of moves.
+    unreachable: bool = False
 
 
 @dataclass
@@ -43,6 +47,7 @@ class WorkerRegistry:
             st.hb = hb
             st.last_seen = now
             st.dead_reason = None
+            st.unreachable = False
             st.was_ready = st.was_ready or hb.state == "ready"
 
     def timeout_for(self, st: WorkerState) -> float:
@@ -53,7 +58,15 @@ class WorkerRegistry:
         return st is not None and self._live(st, now)
 
     def _live(self, st: WorkerState, now: float) -> bool:
-        return st.hb.state == "ready" and now - st.last_seen <= self.timeout_for(st)
+        return st.hb.state == "ready" and not st.unreachable and now - st.last_seen <= self.timeout_for(st)
+
+    def unreachable(self, worker_id: str) -> None:
+        """A peer could not reach the worker (no responder on its subjects): not live until its next heartbeat
+        (a restarted process under the same id is a new worker and live at once). Not a death: what it holds
+        stays where it is, and the heartbeat timeout still decides that."""
+        st = self.workers.get(worker_id)
+        if st is not None:
+            st.unreachable = True
 
     def live(self, role: str, now: float) -> list[Heartbeat]:
         return [st.hb for st in self.workers.values() if st.hb.role == role and self._live(st, now)]

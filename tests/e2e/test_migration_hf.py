@@ -57,7 +57,7 @@ def test_decoder_killed_mid_stream_real_model_token_identical(stack: StackProc) 
 
             async def kill_at_8(d: Delta) -> None:
                 if d.seq == 8 and not killed:
-                    hb = await holder(stack.nats_url, gen.request_id)
+                    hb = await holder(stack.nats_url, gen.request.key)
                     _kill(hb)
                     killed.append(hb.worker_id)
 

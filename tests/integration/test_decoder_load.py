@@ -51,7 +51,7 @@ async def test_a_request_in_its_local_prefill_counts_as_a_stream_with_its_prefil
             took = time.monotonic() - t0
         assert result.finish_reason == "length" and took > 1.5, took  # the prefill was as slow as set
         assert result.usage.prompt_tokens > 400
-        listed = [hb for hb in seen if gen.request_id in hb.active_requests]
+        listed = [hb for hb in seen if gen.request.key in hb.active_requests]
         assert len(listed) >= 2, [(hb.seq, hb.active_requests) for hb in seen]
         for hb in listed:  # every report that lists it counts it: queued (a moment), then a stream
             assert hb.load.active_seqs + hb.load.queued_requests == 1, hb.load

@@ -5,7 +5,9 @@
   token what an unkilled run gives (greedy, and seeded sampling);
 - a prefiller SIGKILLed mid-prefill: the request is sent again and completes;
 - migrations exhausted (--max-migrations): a precise worker_died naming the count;
-- SIGTERM on a decoder: draining (no new work), then what it still holds is handed over without an error.
+- SIGTERM on a decoder: draining (no new work), then what it still holds is handed over without an error;
+- a decoder SIGKILLed: requests routed to it before the routers noticed (its last "ready" heartbeat still fresh)
+  bounce once and wait for a live decoder, instead of bouncing back to the dead one until out of moves.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ def _prefiller(url: str, logs: Path, worker_id: str, tps: int = 200) -> subproce
                          worker_id=worker_id, log_dir=logs, env=env)
 
 
-async def holder(url: str, request_id: str, role: str = "decode", timeout: float = 10.0) -> Heartbeat:
-    """The heartbeat of the worker of ``role`` that holds the request now."""
+async def holder(url: str, request_key: str, role: str = "decode", timeout: float = 10.0) -> Heartbeat:
+    """The heartbeat of the worker of ``role`` that holds the request (``proto.request_key``) now."""
     nc = await nats.connect(url)
     try:
         sub = await nc.subscribe(f"ss.hb.{role}.*")
@@ -59,9 +61,9 @@ async def holder(url: str, request_id: str, role: str = "decode", timeout: float
         while time.monotonic() < deadline:
             msg = await sub.next_msg(timeout=max(0.1, deadline - time.monotonic()))
             hb = proto.decode(msg.data, Heartbeat)
-            if request_id in hb.active_requests and hb.state == "ready":
+            if request_key in hb.active_requests and hb.state == "ready":
                 return hb
-        raise AssertionError(f"no {role} worker reported {request_id}")
+        raise AssertionError(f"no {role} worker reported {request_key}")
     finally:
         await nc.close()
 
@@ -113,7 +115,7 @@ async def test_decoder_killed_mid_stream_continues_on_another(fresh_nats: NatsSe
 
             async def kill_at_10(d: Delta, gen: Generation = gen, killed: list[str] = killed) -> None:
                 if d.seq == 10 and not killed:
-                    hb = await holder(url, gen.request_id)
+                    hb = await holder(url, gen.request.key)
                     _kill(hb)
                     killed.append(hb.worker_id)
 
@@ -140,7 +142,7 @@ async def test_migrations_exhausted_is_a_precise_error(fresh_nats: NatsServer, t
 
         async def kill_twice(d: Delta) -> None:
             if d.seq in (5, 15) and len(killed) < (1 if d.seq == 5 else 2):
-                hb = await holder(url, gen.request_id)
+                hb = await holder(url, gen.request.key)
                 _kill(hb)
                 killed.append(hb.worker_id)
 
@@ -165,7 +167,7 @@ async def test_prefiller_killed_mid_prefill_request_completes(fresh_nats: NatsSe
         gen = c.generate(prompt + " again", max_tokens=20)
         it = gen.__aiter__()
         task = asyncio.ensure_future(it.__anext__())
-        hb = await holder(url, gen.request_id, role="prefill")
+        hb = await holder(url, gen.request.key, role="prefill")
         _kill(hb)
         first = await asyncio.wait_for(task, 60)
         rest = [d async for d in it]
@@ -214,7 +216,7 @@ async def test_a_worker_lost_after_the_last_token_ends_the_request_complete(
 
     async def heartbeat(seq: int) -> None:
         hb = Heartbeat(worker_id="decode-e", role="decode", seq=seq, engine="mock", state=state,  # type: ignore[arg-type]
-                       max_model_len=8192, active_requests=[j.request_id for j in jobs],
+                       max_model_len=8192, active_requests=[j.key for j in jobs],
                        load=WorkerLoad(max_seqs=8, free_blocks=1000, total_blocks=1000))
         await nc.publish(Subjects.heartbeat("decode", "decode-e"), proto.encode(hb))
 
@@ -254,3 +256,62 @@ async def test_a_worker_lost_after_the_last_token_ends_the_request_complete(
     finally:
         hb_task.cancel()
         await nc.close()
+
+
+async def test_requests_sent_to_a_just_killed_decoder_wait_for_a_live_one(
+        fresh_nats: NatsServer, tmp_path: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+    """A decoder dies (SIGKILL: no "stopped" heartbeat). For up to the heartbeat timeout the router still takes it
+    for live, so new requests go to it: their prefiller finds no responder for its KV reservation and bounces
+    them. They used to be routed straight back to the same dead decoder, bounce again, and end with
+    ``[worker_died] ... after 2 migration(s)``; the bounce now marks it unreachable until its next heartbeat, so
+    they wait for a live decoder (here one that starts a moment later) and complete.
+
+    The dead decoder is the test's own heartbeats (a "ready" decoder with room, then silence), so that every
+    request surely reaches it inside the window: a real SIGKILL is noticed by NATS within milliseconds."""
+    from proto import Subjects, WorkerLoad
+
+    url, logs = fresh_nats.url, tmp_path / "logs"
+    procs += [_router(url, logs, "router-u", "--disagg-threshold", "1", "--max-stall-ms", "0.001",
+                      "--no-worker-wait-s", "120"),
+              _prefiller(url, logs, "prefill-u", 100_000)]
+    await wait_ready(url, ["router-u", "prefill-u"], timeout=180)
+    nc = await nats.connect(url)
+    try:
+        for seq in range(1, 4):  # three beats: the router has heard a ready decoder, which then goes silent
+            hb = Heartbeat(worker_id="decode-gone", role="decode", seq=seq, engine="mock", pid=999_999,
+                           max_model_len=8192, load=WorkerLoad(max_seqs=8, free_blocks=1000, total_blocks=1000))
+            await nc.publish(Subjects.heartbeat("decode", "decode-gone"), proto.encode(hb))
+            await asyncio.sleep(0.4)
+        await nc.flush()
+        async with Client(url, idle_timeout=150) as c:
+            tasks = [asyncio.ensure_future(c.generate(f"{PROMPT} {i}", max_tokens=4).collect()) for i in range(3)]
+            await asyncio.sleep(0.5)
+            procs.append(_decoder(url, logs, "decode-live"))
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 170)
+    finally:
+        await nc.close()
+    assert [r.finish_reason for r in results] == ["length"] * 3
+    assert {r.decode_worker for r in results} == {"decode-live"}
+    log = (logs / "router-u.log").read_text()
+    assert log.count('"job_bounced"') == 3  # each went to the dead decoder first, once
+    assert "migration(s)" not in log, log[-3000:]
+
+
+async def test_a_prompt_no_decoder_buffer_can_hold_fails_at_once(
+        fresh_nats: NatsServer, tmp_path: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+    """A disaggregated prompt larger than the decoder's whole KV landing buffer can never be handed over. It used
+    to bounce (``kv_transfer_failed``) and be dispatched again until out of moves; it now ends at once with
+    ``prompt_too_long`` naming the buffer, and a prompt that fits is still served."""
+    url, logs = fresh_nats.url, tmp_path / "logs"
+    procs += [_router(url, logs, "router-c", "--disagg-threshold", "1", "--max-stall-ms", "0.001"),
+              _decoder(url, logs, "decode-c", 40, "--landing-tokens", "64"),
+              _prefiller(url, logs, "prefill-c", 100_000)]
+    await wait_ready(url, ["router-c", "decode-c", "prefill-c"], timeout=180)
+    async with Client(url, idle_timeout=60) as c:
+        with pytest.raises(errors.PromptTooLong) as ei:
+            await c.generate(" ".join(["lorem ipsum dolor"] * 40), max_tokens=4).collect()
+        ok = await c.generate(PROMPT, max_tokens=4).collect()
+    assert "landing buffer" in ei.value.message and "--landing-tokens" in ei.value.message, ei.value.message
+    assert ok.finish_reason == "length" and ok.prefill_worker == "prefill-c"
+    log = (logs / "router-c.log").read_text()
+    assert '"migrated"' not in log and '"job_bounced"' not in log, log[-3000:]

@@ -12,7 +12,8 @@ from services.router.service import RouterService
 
 def _hb(seq: int, active: int, ids: list[str]) -> proto.Heartbeat:
     return proto.Heartbeat(worker_id="d0", role="decode", seq=seq, pid=1,
-                           load=proto.WorkerLoad(active_seqs=active, max_seqs=8), active_requests=ids)
+                           load=proto.WorkerLoad(active_seqs=active, max_seqs=8),
+                           active_requests=[proto.request_key("t", i) for i in ids])
 
 
 def _end(rid: str, worker: str = "d0") -> proto.RequestFinished:

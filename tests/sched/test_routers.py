@@ -179,9 +179,9 @@ async def test_a_registered_request_no_queue_holds_is_accepted_only_once_stored(
                           sampling=SamplingParams(max_tokens=8), stream_subject=Subjects.result("requeue", rid),
                           stream=False)
     kv = await js.key_value(Subjects.REQUESTS_BUCKET)
-    await kv.create(rid, proto.encode(proto.RequestRecord(request_id=rid, tenant="requeue", state="queued",
-                                                          stream_subject=req.stream_subject, prompt_tokens=4,
-                                                          max_tokens=8, accepted_by="router-gone")))
+    rec = proto.RequestRecord(request_id=rid, tenant="requeue", state="queued", stream_subject=req.stream_subject,
+                              prompt_tokens=4, max_tokens=8, accepted_by="router-gone")
+    await kv.create(rec.key, proto.encode(rec))
     deadline = time.monotonic() + 30
     while (await js.stream_info(Subjects.QUEUE_STREAM)).state.messages and time.monotonic() < deadline:
         await asyncio.sleep(0.1)  # earlier tests' requests still queued or running

@@ -613,7 +613,8 @@ def test_fuzz_kv_buckets_as_insider(world: World) -> None:
         return res.request_id
 
     ended = w.run(ended_request(), 60)
-    keys = st.sampled_from(["fz-r", "fz-x", "A", "B", "x-" * 30, ended])
+    keys = st.sampled_from(["fz-r", "A.fz-r", "fz-x", "A", "B", "x-" * 30, ended, proto.request_key("A", ended),
+                            proto.request_key("B", ended)])
 
     @FUZZ_SETTINGS
     @given(st.sampled_from([Subjects.REQUESTS_BUCKET, Subjects.QUOTA_BUCKET]), keys,
@@ -630,7 +631,7 @@ def test_fuzz_kv_buckets_as_insider(world: World) -> None:
     # A re-sends the request whose record is now garbage: an answer (an error), not silence.
     async def resend() -> None:
         kv = await w.admin.jetstream().key_value(Subjects.REQUESTS_BUCKET)
-        await kv.put(ended, b"\x00garbage")
+        await kv.put(proto.request_key("A", ended), b"\x00garbage")
         req = GenerateRequest(request_id=ended, tenant="A", prompt="first run", sampling=SamplingParams(max_tokens=2))
         reply = await w.a.request(Subjects.request("A"), proto.encode(req), timeout=30)
         assert (reply.headers or {}).get(proto.HEADER_KIND) == "error", reply.data

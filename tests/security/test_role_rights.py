@@ -344,7 +344,7 @@ async def test_router_does_its_job(server: NatsServer, admin: NATS, conns: list[
         await registry.setup()
         rec = proto.RequestRecord(request_id="r1", tenant="A", state="queued", accepted_by="router-test")
         rev = await registry.create(rec)
-        assert rev is not None and (got := await registry.get("r1")) is not None
+        assert rev is not None and (got := await registry.get("A", "r1")) is not None
         assert await registry.cas(got[0], got[1]) is not None
         kv = await ensure_bucket(bus.nc.jetstream(), KeyValueConfig(bucket=Subjects.QUOTA_BUCKET, history=1), 1)
         await kv.put("A", b"usage")

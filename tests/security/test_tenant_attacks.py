@@ -8,6 +8,7 @@ password and nothing else; every test below is something A tried on main at 3bff
 - subject injection: A names a stream subject that is not its request's own (B's result subject, a KV key);
 - cross-tenant cancel: A cancels B's running and queued requests by id (on A's own cancel subject, the only
   one the server lets it publish on), or claims to be B in the cancel's body;
+- request-id squatting: A uses the ids B will use first (B used to be refused, and A could tell B's ids);
 - work before checks: A sends prompts of megabytes while B is being served.
 """
 
@@ -189,6 +190,57 @@ async def test_a_cannot_cancel_b_running_or_queued_requests(stack: StackProc, ra
     assert all(g.result is not None and g.result.usage.completion_tokens == 120 for g in gens)
 
 
+async def test_a_squatting_b_request_ids_neither_blocks_b_nor_learns_anything(stack: StackProc) -> None:
+    """Request ids are the clients' own, so A may learn or guess ids B will use (a predictable scheme, a log line,
+    a trace id). A sends requests under those ids first, long ones still running when B comes, and finished ones;
+    then the same ids again while B's run. B's requests under those ids are served as B's own (they used to be
+    refused: "request id ... is already in use", which also told A which ids B had used). A's answers for B's
+    ids are exactly those for fresh ids (no oracle), and A's own requests run to their own end."""
+    running_ids = [f"b-next-{i}" for i in range(4)]
+    done_ids = [f"b-done-{i}" for i in range(2)]
+    async with Client(stack.nats_url, user="A", password=PW_A) as a, \
+            Client(stack.nats_url, user="B", password=PW_B) as b:
+        # A first: finished requests under two of the ids, long running ones under the others.
+        done_a = [await a.complete("A was here first", max_tokens=2, request_id=rid) for rid in done_ids]
+        assert [r.request_id for r in done_a] == done_ids
+        a_gens = [a.generate("A squats", max_tokens=120, request_id=rid) for rid in running_ids]
+        a_iters = [g.__aiter__() for g in a_gens]
+        await asyncio.wait_for(asyncio.gather(*(it.__anext__() for it in a_iters)), 60)
+        # B now uses those very ids: served, its own output, while A's still run.
+        b_gens = [b.generate("Once upon a time", max_tokens=8, request_id=rid) for rid in running_ids + done_ids]
+        b_results = await asyncio.wait_for(asyncio.gather(*(g.collect() for g in b_gens)), 60)
+        assert [r.finish_reason for r in b_results] == ["length"] * 6
+        assert [r.usage.completion_tokens for r in b_results] == [8] * 6
+        # A re-sends B's ids while B's are known everywhere: the same answers as for ids B never used.
+        probe, fresh = [], []
+        for rid in [*running_ids, *done_ids]:
+            probe.append(await _answer_kind(a, rid))
+            fresh.append(await _answer_kind(a, "never-used-" + rid))
+        assert probe[:4] == ["accepted"] * 4  # A's own running requests: a re-send reattaches
+        assert probe[4:] == ["bad_request:already ended"] * 2  # A's own ended ones
+        assert fresh == ["accepted"] * 6
+
+        async def drain(it: AsyncIterator[object]) -> None:
+            async for _ in it:
+                pass
+
+        await asyncio.wait_for(asyncio.gather(*(drain(it) for it in a_iters)), 120)
+    assert [g.result.usage.completion_tokens for g in a_gens if g.result] == [120] * 4
+
+
+async def _answer_kind(client: Client, rid: str) -> str:
+    """What the router answers a tenant sending a short request with this id: ``accepted`` or the error code and
+    the gist of its message."""
+    req = client._build("probe", max_tokens=2, request_id=rid)
+    nc = client._require().nc
+    reply = await nc.request(proto.Subjects.request(req.tenant), proto.encode(req), timeout=15,
+                             headers=proto.headers_for(req))
+    if json.loads(reply.data)["kind"] == "accepted":
+        return "accepted"
+    err = proto.decode(reply.data, StreamError)
+    return f"{err.code}:already ended" if "already ended" in err.message else f"{err.code}:{err.message}"
+
+
 async def test_corrupt_registry_records_lose_no_request(stack: StackProc) -> None:
     """An insider (or a damaged store) overwrites the registry records of B's running and queued requests with
     garbage and with another request's record: each still runs once and ends once, with its whole output."""
@@ -212,8 +264,9 @@ async def test_corrupt_registry_records_lose_no_request(stack: StackProc) -> Non
             others = asyncio.gather(*(it.__anext__() for it in iters[1:]))  # every request accepted
             await asyncio.sleep(0.5)
             for i, g in enumerate(gens):
-                value = b"\x00 not a record" if i % 2 else (await kv.get(gens[0].request_id)).value or b""
-                await kv.put(g.request_id, value)
+                first = proto.request_key("B", gens[0].request_id)  # the registry's key: tenant.request
+                value = b"\x00 not a record" if i % 2 else (await kv.get(first)).value or b""
+                await kv.put(proto.request_key("B", g.request_id), value)
 
             async def drain(it: AsyncIterator[object]) -> None:
                 async for _ in it:
