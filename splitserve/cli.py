@@ -147,6 +147,9 @@ def up(
                                        "worker_died at once"),
     http_port: int = typer.Option(8000, "--http-port", help="OpenAI-compatible HTTP API port (0 = a free one; "
                                   "a free one if taken)"),
+    frontends: int = typer.Option(2, "--frontends", min=1, help="HTTP front door processes (frontend-0 ..) "
+                                  "accepting on that one port, from a socket the supervisor holds: while one "
+                                  "drains or restarts the others take every connection (none is refused)"),
     log_level: str = typer.Option("INFO", "--log-level"),
     kv_connector: str = typer.Option("nixl", "--kv-connector", envvar="SPLITSERVE_KV_CONNECTOR",
                                      help="--engine vllm: KV connector between the pools: nixl | lmcache (GPU)"),
@@ -176,7 +179,8 @@ def up(
                       max_migrations=max_migrations,
                       long_decode=long_decode, long_decode_cpus=long_decode_cpus,
                       long_prompt_tokens=long_prompt_tokens,
-                      http_port=http_port, http_host=host, log_level=log_level, kv_connector=kv_connector,
+                      http_port=http_port, frontends=frontends, http_host=host, log_level=log_level,
+                      kv_connector=kv_connector,
                       kv_backend=kv_backend, tenants_file=tenants.resolve() if tenants else None)
     if tenants is not None:
         from splitserve.tenancy.config import load_tenants
@@ -188,13 +192,16 @@ def up(
     long_note = f" + {long_decode} long-context decode" if long_decode else ""
     router_note = f"{routers} routers, " if routers > 1 else ""
     typer.echo(f"splitserve: starting {router_note}{prefill} prefill + {decode}{long_note} decode worker(s), "
-               f"engine {engine}, transport {usable}, strategy {strategy} (logs in {cfg.state_dir / 'logs'})")
+               f"{frontends} front door(s), engine {engine}, transport {usable}, strategy {strategy} "
+               f"(logs in {cfg.state_dir / 'logs'})")
 
     def ready(stack: Stack) -> None:
+        # one metrics port per front door (the same cluster series on each; their own http_* series)
+        others = "; ".join(f"frontend-{i}: {u}" for i, u in enumerate(stack.metrics_urls) if i)
         typer.echo(f"\nsplitserve is up. NATS: {stack.nats_url}\n"
                    f"  OpenAI API: {stack.http_url}/v1\n"
                    f"  console:    {stack.http_url}/console/\n"
-                   f"  metrics:    {stack.metrics_url} (loopback only)\n"
+                   f"  metrics:    {stack.metrics_url} (loopback only{'; ' + others if others else ''})\n"
                    f"  try:  splitserve generate --chat \"What is the capital of France?\"\n"
                    f"  stop: Ctrl-C")
 

@@ -1,8 +1,10 @@
 """The embedded stack behind ``splitserve up``: NATS plus every service, each a separate OS process.
 
 The supervisor starts nats-server (unless given a URL), then the router replicas (``routers``: router-0 ..
-router-{N-1}, each its own process sharing the durable queue), the cache-index service and the prefill and
-decode workers; waits until each one's heartbeat says ``ready``; restarts a service that dies
+router-{N-1}, each its own process sharing the durable queue), the cache-index service, the prefill and
+decode workers and the HTTP front doors (``frontends``: frontend-0 .. frontend-{N-1}, each its own process, all
+accepting from one listening socket the supervisor binds once and holds: see :mod:`splitserve.listener`); waits
+until each one's heartbeat says ``ready``; restarts a service that dies
 (with exponential backoff, as an orchestrator would); and on SIGINT/SIGTERM stops them all, leaving no
 process behind. Every child also gets PR_SET_PDEATHSIG so that even a SIGKILLed supervisor takes its
 children down with it.
@@ -15,6 +17,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +31,7 @@ from typing import IO
 from proto import Heartbeat, Subjects
 from splitserve import discovery
 from splitserve.cpus import parse_cpus
+from splitserve.listener import bind_listener
 from splitserve.natsserver import NatsCluster, NatsServer, child_preexec, free_port, start_nats, start_nats_cluster
 from splitserve.obs.log import QUIET_ENV, private_dir, private_opener
 from splitserve.runtime.bus import Bus
@@ -70,6 +74,8 @@ class StackConfig:
     max_stall_ms: float = 100.0
     max_migrations: int = 2  # the routers' --max-migrations
     http_port: int = 8000  # the OpenAI-compatible front door; 0 (or taken) = a free port
+    # Front door processes (frontend-0 ..) on that one port: while one drains or restarts the others accept.
+    frontends: int = 2
     http_host: str = "127.0.0.1"  # the front door's interface (0.0.0.0: every interface)
     log_level: str = "INFO"
     kv_connector: str = "nixl"  # --engine vllm: vLLM's KV connector between the pools (nixl | lmcache)
@@ -90,6 +96,7 @@ class Child:
     next_start: float = 0.0
     started_at: float = 0.0
     env: dict[str, str] = field(default_factory=dict)  # this child's own variables
+    pass_fds: tuple[int, ...] = ()  # descriptors it inherits (the front doors: the API's listening socket)
     pump: threading.Thread | None = None  # copies its output into its log (log_pump)
 
     def drain_log(self, timeout: float = 2.0) -> None:
@@ -106,7 +113,10 @@ class Stack:
         self.nats_cluster: NatsCluster | None = None
         self.nats_url = cfg.nats_url or ""
         self.http_url = ""
-        self.metrics_url = ""  # the front door's /metrics (its own port, loopback: it names every tenant)
+        self.metrics_url = ""  # frontend-0's /metrics (its own port, loopback: it names every tenant)
+        self.metrics_urls: list[str] = []  # every front door's, in order (each serves the same cluster series)
+        # The API's listening socket: bound once, held for the stack's life, inherited by every front door.
+        self.http_sock: socket.socket | None = None
         self.children: list[Child] = []
         self.stopping = asyncio.Event()
         self.logs = cfg.state_dir / "logs"
@@ -180,18 +190,28 @@ class Stack:
             out.append(Child(name, "decode", py + ["services.decode", "--worker-id", name, "--pool", "long",
                                                    *worker_args("long", i), *common],
                              self.logs / f"{name}.log"))
-        # The port is fixed here, once: a restarted front door comes back at the URL already printed.
-        port = free_port(c.http_port or None, host=c.http_host)
+        # The API's socket is bound here, once, and held by this process: every front door accepts from it (one
+        # accept queue), so while one drains or restarts the others take every connection, and with all of them
+        # down at once connections wait in the queue instead of being refused. A restarted front door comes back
+        # at the URL already printed.
+        if self.http_sock is None:
+            self.http_sock = _listen(c.http_host, c.http_port)
+        fd = self.http_sock.fileno()
+        port = int(self.http_sock.getsockname()[1])
         shown = "127.0.0.1" if c.http_host in ("0.0.0.0", "") else \
             "[::1]" if c.http_host == "::" else f"[{c.http_host}]" if ":" in c.http_host else c.http_host
         self.http_url = f"http://{shown}:{port}"
-        metrics_port = free_port(host="127.0.0.1")
-        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        out.append(Child("frontend-0", "frontend", py + ["services.frontend", "--worker-id", "frontend-0",
-                                                        "--host", c.http_host, "--port", str(port), *tenants,
-                                                        "--metrics-port", str(metrics_port),
-                                                        *common],
-                         self.logs / "frontend-0.log"))
+        self.metrics_urls = []
+        for i in range(max(1, c.frontends)):
+            name = f"frontend-{i}"
+            # each its own metrics port (its http_* series are its own), fixed here: a restart keeps it
+            metrics_port = free_port(host="127.0.0.1")
+            self.metrics_urls.append(f"http://127.0.0.1:{metrics_port}/metrics")
+            out.append(Child(name, "frontend", py + ["services.frontend", "--worker-id", name, "--host", c.http_host,
+                                                     "--port", str(port), "--listen-fd", str(fd), *tenants,
+                                                     "--metrics-port", str(metrics_port), *common],
+                             self.logs / f"{name}.log", pass_fds=(fd,)))
+        self.metrics_url = self.metrics_urls[0]
         if c.engine == "vllm":
             # vLLM's own vllm:* series, one port per worker (fixed here: a restart keeps it)
             for ch in out:
@@ -242,7 +262,7 @@ class Stack:
             if ch.role == "frontend":  # the web console's admin key (see splitserve.tenancy.consolekey)
                 env[consolekey.ADMIN_KEYS_ENV] = consolekey.ensure_console_key(self.cfg.state_dir)
         ch.proc = subprocess.Popen(ch.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                   preexec_fn=child_preexec)
+                                   preexec_fn=child_preexec, pass_fds=ch.pass_fds)
         assert ch.proc.stdout is not None
         ch.pump = threading.Thread(target=log_pump, args=(ch.proc.stdout, ch.log, ch.name), daemon=True,
                                    name=f"log-{ch.name}")
@@ -301,7 +321,11 @@ class Stack:
             self.echo(f"  {'nats':<15} ready  {self.nats_url}  (pid {self.nats.proc.pid})")
         bus = await Bus.connect(self.nats_url, "supervisor", user=admin[0], password=admin[1])
         try:
-            self.children = self._children()
+            try:
+                self.children = self._children()
+            except OSError as exc:  # the API's socket (e.g. --host names no interface of this machine)
+                self.echo(f"  {'frontend':<15} FAILED to start: {exc}")
+                return 1
             sub = await bus.nc.subscribe(Subjects.HEARTBEAT_ALL, cb=self._on_hb)
             t0 = time.monotonic()
             for ch in self.children:
@@ -314,7 +338,8 @@ class Stack:
             discovery.write_stack({"pid": os.getpid(), "nats_url": self.nats_url,
                                    "nats_urls": discovery.server_list(self.nats_url), "state_dir": str(c.state_dir),
                                    "auth": self.auth is not None, "services": [ch.name for ch in self.children],
-                                   "http_url": self.http_url, "metrics_url": self.metrics_url})
+                                   "http_url": self.http_url, "metrics_url": self.metrics_url,
+                                   "metrics_urls": self.metrics_urls})
             if on_ready:
                 on_ready(self)
             await self._supervise()
@@ -327,6 +352,8 @@ class Stack:
                 self.nats.stop()
             if self.nats_cluster:
                 self.nats_cluster.stop()
+            if self.http_sock is not None:
+                self.http_sock.close()  # after every front door: until then connections wait, none is refused
             discovery.clear_stack(os.getpid())
 
     async def _on_hb(self, raw: object) -> None:
@@ -422,6 +449,19 @@ def json_line(raw: bytes, service: str) -> bytes:
              "service": service, "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
              "note": "raw output of the process, not a log record"}
     return json.dumps(event, ensure_ascii=False).encode() + b"\n"
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The API's listening socket: on ``port`` when it is free, else (or for 0) on a free one."""
+    if port:
+        try:
+            return bind_listener(host, port)
+        except OSError:
+            pass  # taken: a free one, printed at start, as documented
+    for _ in range(2):  # a free port taken between the pick and the bind: pick again
+        with contextlib.suppress(OSError):
+            return bind_listener(host, free_port(host=host))
+    return bind_listener(host, free_port(host=host))
 
 
 def _tail(path: Path, lines: int = 20) -> str:

@@ -22,6 +22,9 @@ def main(
     host: str = typer.Option("127.0.0.1", help="interface to listen on (beyond loopback without API keys: a loud "
                                                "warning)"),
     port: int = typer.Option(8000, help="HTTP port (0 = a free one)"),
+    listen_fd: int | None = typer.Option(None, help="accept on this inherited listening socket instead of binding "
+                                                    "--host/--port (which then only name it): `splitserve up` holds "
+                                                    "one for all its front doors, so that a restart refuses nothing"),
     metrics_host: str = typer.Option("127.0.0.1", help="interface of the /metrics port (its series name every "
                                                        "tenant: keep it off the network tenants reach)"),
     metrics_port: int = typer.Option(METRICS_PORT, help="port serving GET /metrics (and nothing else): not on "
@@ -83,7 +86,8 @@ def main(
     if keys and set(keys) & set(admins):
         raise typer.BadParameter("a console admin key is also a tenant's API key", param_hint="--admin-keys")
     register_secret(*(keys or {}), *admins)  # never in a log line, even inside an error's text
-    run_service(FrontendService(worker_id, nats_url, host=host, port=port, model_name=model_name, api_keys=keys,
+    run_service(FrontendService(worker_id, nats_url, host=host, port=port, listen_fd=listen_fd,
+                                model_name=model_name, api_keys=keys,
                                 admin_keys=admins, tenants=cfg, log_level=log_level,
                                 drain_timeout_s=drain_timeout_s, docs=docs, metrics_host=metrics_host,
                                 metrics_port=metrics_port, limit_concurrency=limit_concurrency,

@@ -89,6 +89,9 @@ class Stream(Protocol):
 
 
 class Backend(Protocol):
+    """Optional: ``served_model_name``, the name known to be served (None when it is not known, e.g. no decoder
+    heard yet), the only one a request is refused against with 404; without it, ``model_name`` is."""
+
     @property
     def model_name(self) -> str | None:
         """The served model's name (None until known)."""
@@ -750,11 +753,17 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None, docs
         request.state.key_id = key_id
         return tenant
 
+    def known_model() -> str | None:
+        """The name known to be served, the only one to 404 against (see Backend)."""
+        return getattr(backend, "served_model_name", backend.model_name)  # type: ignore[no-any-return]
+
     def served_model(requested: str | None) -> str:
-        name = backend.model_name
-        if requested and name and requested != name:
+        served = known_model()
+        if requested and served and requested != served:
             raise oa.model_not_found(requested)
-        return name or requested or "unknown"
+        # Not known (no decoder heard): the request goes on as asked, and the router (which waits for decoders
+        # within its own bound, then answers a retryable 503) decides; a 404 here could be wrong.
+        return served or requested or backend.model_name or "unknown"
 
     async def serve(request: Request, args: oa.GenerateArgs, *, tenant: str, model: str) -> Response:
         rid: str = request.state.request_id
@@ -836,7 +845,12 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None, docs
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, _: str = Depends(tenant_of)) -> dict[str, Any]:
-        if model_id != backend.model_name:
+        served = known_model()
+        if served is None and model_id != backend.model_name:
+            # Whether it is served is not known yet (no decoder heard): say so, retryably, never a wrong 404.
+            raise oa.ApiError(503, "No decode worker has announced the model it serves yet; retry shortly.",
+                              type="server_error", code="model_not_announced", retry_after_s=1)
+        if served is not None and model_id != served:
             raise oa.model_not_found(model_id)
         return model_card(model_id)
 

@@ -2,8 +2,13 @@
 the worker registry behind ``/readyz``, and the embedded uvicorn server.
 
 It is a :class:`splitserve.runtime.service.Service` like every other process, so ``splitserve up`` sees its
-heartbeats (role ``frontend``), waits for it to be ready (= listening), restarts it if it dies, and stops it
+heartbeats (role ``frontend``), waits for it to be ready (= serving), restarts it if it dies, and stops it
 with SIGTERM (which drains in-flight HTTP requests for a bounded time). It keeps no state a restart loses.
+
+``splitserve up`` runs several (``--frontends``) on one listening socket it holds itself (``--listen-fd``, see
+:mod:`splitserve.listener`), so that a front door draining or restarting never refuses a connection. A front door
+takes requests only once its worker registry has filled (a decoder seen, or ``registry_warmup_s`` of heartbeats):
+just started, it would otherwise not know the served model and answer 404 for it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from services.frontend.console_data import ConsoleData
 from services.frontend.guard import HEADER_TIMEOUT_S, exposure_warning, guarded_httptools
 from splitserve import errors
 from splitserve.client import Client
+from splitserve.listener import bind_listener, inherited_listener
 from splitserve.obs.metrics import ClusterMetrics
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
@@ -39,6 +45,9 @@ LIMIT_CONCURRENCY = 1024
 # Idle time a kept-alive connection is held between requests: long enough for clients' pools to reuse it,
 # short enough that idle sockets do not pile up against LIMIT_CONCURRENCY.
 KEEP_ALIVE_S = 30
+# How long a just-started front door listens to heartbeats before it takes requests when no decoder has been
+# heard yet: two of the workers' default heartbeat intervals (0.5 s), so every live worker has been heard.
+REGISTRY_WARMUP_S = 1.0
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -60,6 +69,7 @@ class FrontendService(Service):
         *,
         host: str = "127.0.0.1",
         port: int = 8000,
+        listen_fd: int | None = None,
         model_name: str | None = None,
         api_keys: dict[str, str] | None = None,
         admin_keys: list[str] | None = None,
@@ -74,11 +84,17 @@ class FrontendService(Service):
         per_key_concurrency: int = PER_KEY_CONCURRENCY,
         header_timeout_s: float = HEADER_TIMEOUT_S,
         keep_alive_s: int = KEEP_ALIVE_S,
+        registry_warmup_s: float = REGISTRY_WARMUP_S,
         **kw: Any,
     ) -> None:
         super().__init__(worker_id, nats_url, **kw)
         self.host = host
         self.port = port
+        # A listening socket passed down by the supervisor (shared with the other front doors): used instead of
+        # binding host:port (which then only name it).
+        self.listen_fd = listen_fd
+        self.registry_warmup_s = registry_warmup_s
+        self._listening_since: float | None = None  # monotonic time the heartbeat subscription began
         self._model_name = model_name
         self.api_keys = api_keys
         self.graceful_s = graceful_s
@@ -114,6 +130,7 @@ class FrontendService(Service):
 
     async def start(self) -> None:
         await self.b.subscribe(Subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
+        self._listening_since = time.monotonic()
         await self.b.subscribe(Subjects.FINISHED_ALL, RequestFinished, self.on_finished, scoped=True)
         self.b.spawn(self.console.run_sampler())
         warning = exposure_warning(self.host, self.api_keys)
@@ -123,9 +140,12 @@ class FrontendService(Service):
             print(warning, file=sys.stderr, flush=True)
         # Bind here rather than in uvicorn: a taken port is then an exception with a clear message (uvicorn
         # would sys.exit), and port 0 tells us the real port before we announce ready.
-        sock = self._bind(self.host, self.port)
+        sock = inherited_listener(self.listen_fd) if self.listen_fd is not None else self._bind(self.host, self.port)
         self.port = int(sock.getsockname()[1])
         self.url = f"http://{self.host}:{self.port}"
+        # Listening already (connections wait in the accept queue, none is refused), but taking none before the
+        # registry has filled: a request answered now could get a 404 for the very model the decoders serve.
+        await self.registry_filled()
         # httptools (a dependency): the C HTTP parser, not "auto" (which falls back to h11 silently), with a
         # deadline on reading each request's headers (slowloris); limit_concurrency answers 503 beyond it.
         cfg = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
@@ -152,19 +172,7 @@ class FrontendService(Service):
 
     @staticmethod
     def _bind(host: str, port: int) -> socket.socket:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and with Nagle
-        # left on, every small SSE chunk after the first waits ~40 ms for the client's delayed ACK.
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            sock.close()
-            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-        sock.listen(2048)
-        return sock
+        return bind_listener(host, port)
 
     @staticmethod
     async def _serve(cfg: uvicorn.Config, sock: socket.socket) -> tuple[_EmbeddedServer, asyncio.Task[None]]:
@@ -178,7 +186,9 @@ class FrontendService(Service):
         return server, task
 
     async def drain(self) -> None:
-        # Stop accepting connections; open requests (streams included) run to their end within the bound.
+        # Stop accepting connections (on a listening socket shared with other front doors, this process's
+        # descriptor only: the socket and its queue stay, the others accept); open requests (streams included)
+        # run to their end within the bound, a connection accepted but not yet read gets its request answered.
         if self._server is None or self._serve_task is None:
             return
         self._server.config.timeout_graceful_shutdown = max(self.graceful_s, int(self.drain_timeout_s))
@@ -222,6 +232,25 @@ class FrontendService(Service):
         return self.cluster_metrics.exposition()
 
     # --- Backend (what the HTTP layer calls) --------------------------------------------------------
+    def _decoder_model(self) -> str | None:
+        for hb in self.registry.live("decode", time.monotonic()):
+            if hb.model:
+                return hb.model
+        return None
+
+    def registry_warm(self) -> bool:
+        """Whether the registry shows the cluster as it is: a decoder has been heard, or the heartbeats have been
+        listened to for ``registry_warmup_s`` (every live worker beats within it)."""
+        if self._model_name or self._decoder_model() is not None:
+            return True
+        since = self._listening_since
+        return since is not None and time.monotonic() - since >= self.registry_warmup_s
+
+    async def registry_filled(self) -> None:
+        """Return once :meth:`registry_warm` (at most ``registry_warmup_s`` after the subscription began)."""
+        while not self.registry_warm():
+            await asyncio.sleep(0.02)
+
     @property
     def model_name(self) -> str | None:
         if self._model_name:
@@ -233,6 +262,13 @@ class FrontendService(Service):
                 if hb.model:
                     return hb.model
         return None
+
+    @property
+    def served_model_name(self) -> str | None:
+        """The model known to be served (configured, or announced by a live decoder): the only name a request
+        may be refused against. The router's name (its tokenizer's) is not one: it may differ (the mock
+        engine's "mock-" prefix), and a front door that has heard only the router must not 404 the real one."""
+        return self._model_name or self._decoder_model()
 
     @property
     def max_model_len(self) -> int | None:

@@ -130,3 +130,26 @@ def test_up_routers_starts_that_many_replicas() -> None:
     for n in routers:  # each its own process, log and id (the supervisor restarts each on its own)
         assert _arg(kids[n].argv, "--worker-id") == n and kids[n].log.name == f"{n}.log"
     assert [c.name for c in _stack([0, 1])._children() if c.role == "router"] == ["router-0"]
+
+
+def test_up_frontends_accept_from_one_socket_the_supervisor_holds() -> None:
+    stack = _stack([0, 1], frontends=3, http_port=0)
+    try:
+        kids = {c.name: c for c in stack._children() if c.role == "frontend"}
+        assert sorted(kids) == ["frontend-0", "frontend-1", "frontend-2"]
+        assert stack.http_sock is not None
+        fd, port = stack.http_sock.fileno(), stack.http_sock.getsockname()[1]
+        assert stack.http_url == f"http://127.0.0.1:{port}"
+        for n, c in kids.items():  # one listening socket, inherited; each its own id, log and metrics port
+            assert _arg(c.argv, "--listen-fd") == str(fd) and c.pass_fds == (fd,)
+            assert _arg(c.argv, "--port") == str(port) and _arg(c.argv, "--worker-id") == n
+            assert c.log.name == f"{n}.log"
+        metrics = [_arg(kids[f"frontend-{i}"].argv, "--metrics-port") for i in range(3)]
+        assert len(set(metrics)) == 3
+        assert stack.metrics_urls == [f"http://127.0.0.1:{m}/metrics" for m in metrics]
+        assert stack.metrics_url == stack.metrics_urls[0]
+        # the other services inherit nothing
+        assert all(not c.pass_fds for c in stack._children() if c.role != "frontend")
+    finally:
+        if stack.http_sock is not None:
+            stack.http_sock.close()
