@@ -23,6 +23,7 @@ from typing import Any, Literal, cast
 
 from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import NotFoundError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
@@ -304,7 +305,7 @@ class Client:
         idle_timeout: float = 120.0,
         gap_timeout: float = 5.0,
         resend_s: float = 5.0,
-        failover_s: float = 5.0,
+        failover_s: float = 30.0,
         probe_s: float = 5.0,
         busy_retry_s: float = 10.0,
         bus: Bus | None = None,
@@ -335,7 +336,9 @@ class Client:
         self.idle_timeout = idle_timeout
         self.gap_timeout = gap_timeout  # how long a missing stream message may stay missing
         self.resend_s = resend_s  # an unanswered request is sent again after this long (idempotent)
-        self.failover_s = failover_s  # how long "no router" may last after routers answered before
+        # how long "no router" may last where routers ran before (a restart, every router reconnecting after its
+        # node died) before the request is refused: the time a router takes to come back, with room
+        self.failover_s = failover_s
         # a stream silent this long looks for its stored end every probe_s (0: never; the idle timeout only)
         self.probe_s = probe_s
         # a retryable "busy" answer (the registry or queue unreachable while NATS elects a leader, the queue
@@ -462,13 +465,28 @@ class Client:
                 return None
             await asyncio.sleep(0.25)
 
+    async def _routers_ran(self, req: GenerateRequest) -> bool:
+        """Whether routers served this NATS before: they create the results stream, which answers a direct get of
+        one of this tenant's own subjects (a fresh process has not been answered yet, yet a router restarting is
+        no reason to fail it)."""
+        js = self._require().nc.jetstream()
+        try:
+            await js.get_last_msg(proto.Subjects.RESULTS_STREAM, proto.Subjects.result(req.tenant, req.request_id),
+                                  direct=True)
+        except NotFoundError:
+            return True  # the stream is there; this request has no result yet (of course)
+        except Exception:
+            return False  # no such stream (no responder for its API), or no right to ask: no sign of routers
+        return True
+
     async def _send(self, req: GenerateRequest) -> Accepted:
         """Hand a request to a router: Accepted, or the precise reason it was not.
 
         Re-sent (same request id: the router and the queue de-duplicate it) when this connection is
         re-established while waiting, when no answer came within ``resend_s`` (the router's NATS node may have
-        died with the answer in flight), and, for a client that has been answered by a router before, while
-        "no responders" lasts up to ``failover_s`` (every router reconnecting after its node died)."""
+        died with the answer in flight), and while "no responders" lasts up to ``failover_s`` where routers ran
+        before (answered this client, or made the results stream: a router restarting, every router reconnecting
+        after its node died). Where no router ever ran (no stack), "no router" is the answer at once."""
         bus = self._require()
         subject = proto.Subjects.request(req.tenant)
         deadline = time.monotonic() + self.accept_timeout
@@ -499,7 +517,11 @@ class Client:
                 raise errors.PayloadTooLarge(str(exc), request_id=req.request_id) from None
             except NoRespondersError:
                 now = time.monotonic()
-                no_router_since = no_router_since or now
+                if no_router_since is None:
+                    no_router_since = now
+                    self._router_seen = self._router_seen or await self._routers_ran(req)
+                    if self._router_seen:
+                        trace.get_current_span().add_event("waiting_for_router", {"failover_s": self.failover_s})
                 if self._router_seen and now - no_router_since < self.failover_s and now < deadline:
                     await asyncio.sleep(0.1)
                     continue
