@@ -96,6 +96,7 @@ class Child:
     next_start: float = 0.0
     started_at: float = 0.0
     env: dict[str, str] = field(default_factory=dict)  # this child's own variables
+    crashes: int = 0  # crashes in a row (exits other than clean ones, each within a minute of its start)
     pass_fds: tuple[int, ...] = ()  # descriptors it inherits (the front doors: the API's listening socket)
     pump: threading.Thread | None = None  # copies its output into its log (log_pump)
 
@@ -398,9 +399,12 @@ class Stack:
                         self._spawn(ch)
                     continue
                 if ch.proc.poll() is not None:
-                    backoff = min(30.0, 0.5 * (2 ** min(ch.restarts, 6)))
-                    if now - ch.started_at > 60:
-                        backoff = 0.5  # it had run for a while: not a crash loop
+                    # A clean exit (a drain after SIGTERM: a rolling restart, an operator) is no crash: back at
+                    # once. Only crashes back off, and a child that ran a while is not in a crash loop.
+                    clean = ch.proc.returncode == 0
+                    if not clean:
+                        ch.crashes = 0 if now - ch.started_at > 60 else ch.crashes + 1
+                    backoff = 0.5 if clean else min(30.0, 0.5 * (2 ** min(max(0, ch.crashes - 1), 6)))
                     ch.restarts += 1
                     self.echo(f"  {ch.name:<15} exited with code {ch.proc.returncode}; restarting in "
                               f"{backoff:.1f}s (restart {ch.restarts})")

@@ -153,3 +153,49 @@ def test_up_frontends_accept_from_one_socket_the_supervisor_holds() -> None:
     finally:
         if stack.http_sock is not None:
             stack.http_sock.close()
+
+
+async def test_a_clean_exit_is_restarted_at_once_and_only_crashes_back_off() -> None:
+    """A child that exits 0 (it drained after SIGTERM: a rolling restart) comes back after 0.5 s every time; a
+    child that crashes again and again waits 0.5, 1, 2 s... (it used to count clean exits as crashes, so three
+    rolling restarts within a minute kept a front door down for seconds)."""
+    import asyncio
+    import subprocess
+    import sys
+    import time
+
+    from splitserve.stack import Child
+
+    stack = _stack([0, 1])
+    waits: dict[str, list[float]] = {"clean": [], "crash": []}
+    children = [Child("clean", "frontend", [sys.executable, "-c", "pass"], Path("/tmp/unused")),
+                Child("crash", "frontend", [sys.executable, "-c", "raise SystemExit(3)"], Path("/tmp/unused"))]
+
+    def spawn(ch: Child) -> None:
+        if ch.next_start:
+            waits[ch.name].append(round(ch.next_start - ch.exited_at, 2))
+        ch.proc = subprocess.Popen(ch.argv)
+        ch.proc.wait()
+        ch.started_at = time.monotonic()
+
+    real_poll = subprocess.Popen.poll
+
+    def poll(p: subprocess.Popen[bytes]) -> int | None:
+        rc = real_poll(p)
+        for ch in children:
+            if ch.proc is p and rc is not None:
+                ch.exited_at = time.monotonic()  # type: ignore[attr-defined]
+        return rc
+
+    stack.children = children
+    with mock.patch.object(stack, "_spawn", spawn), mock.patch.object(subprocess.Popen, "poll", poll):
+        for ch in children:
+            spawn(ch)
+        task = asyncio.ensure_future(stack._supervise())
+        try:
+            await asyncio.sleep(4.5)
+        finally:
+            stack.stopping.set()
+            await task
+    assert len(waits["clean"]) >= 4 and all(abs(w - 0.5) < 0.05 for w in waits["clean"]), waits
+    assert waits["crash"][:3] == pytest.approx([0.5, 1.0, 2.0], abs=0.05), waits
