@@ -43,7 +43,7 @@ class ContextPools:
     def candidates(self, prompt_tokens: int, decoders: Sequence[WorkerView]) -> tuple[list[WorkerView], str]:
         """The decoders this request may use, and which pool that is (for the decision record)."""
         long = [d for d in decoders if d.pool == LONG]
-        general = [d for d in decoders if d.pool != LONG]
+        general = [d for d in decoders if d.pool != LONG] if long else list(decoders)  # no long pool: all general
         if long and prompt_tokens >= self.long_prompt_tokens:
             return long, LONG
         if general:

@@ -31,6 +31,24 @@ class _Entry:
     live: bool = True
 
 
+class _Worker:
+    """One worker's pending load, and the overlaid ``copy`` of ``src``, the last view it was given (``src`` None:
+    none yet, or the load changed since; ``copy`` is only read while ``src`` is the view at hand)."""
+
+    __slots__ = ("seqs", "tokens", "blocks", "src", "copy")
+    copy: WorkerView
+
+    def __init__(self, tokens: int, blocks: int) -> None:
+        self.seqs = 1
+        self.tokens = tokens
+        self.blocks = blocks
+        self.src: WorkerView | None = None
+
+    def over(self, v: WorkerView) -> WorkerView:
+        self.src, self.copy = v, _plus(v, (self.seqs, self.tokens, self.blocks))
+        return self.copy
+
+
 class PendingLoad:
     def __init__(self, ttl_s: float = 1.0) -> None:
         if ttl_s <= 0:
@@ -38,8 +56,7 @@ class PendingLoad:
         self.ttl_s = ttl_s
         self._queue: deque[_Entry] = deque()
         self._by_request: dict[str, list[_Entry]] = {}
-        self._per_worker: dict[str, list[int]] = {}  # worker -> [sequences, prefill tokens, blocks]
-        self._copies: dict[str, tuple[WorkerView, WorkerView]] = {}  # worker -> (view given, view + pending)
+        self._per_worker: dict[str, _Worker] = {}  # worker -> sequences, prefill tokens, blocks; its copy
 
     def __len__(self) -> int:
         return len(self._by_request)
@@ -48,25 +65,25 @@ class PendingLoad:
         e = _Entry(now, request_id, worker_id, prefill_tokens, blocks)
         self._queue.append(e)
         self._by_request.setdefault(request_id, []).append(e)
-        self._copies.pop(worker_id, None)
         acc = self._per_worker.get(worker_id)
         if acc is None:
-            self._per_worker[worker_id] = [1, prefill_tokens, blocks]
+            self._per_worker[worker_id] = _Worker(prefill_tokens, blocks)
         else:
-            acc[0] += 1
-            acc[1] += prefill_tokens
-            acc[2] += blocks
+            acc.seqs += 1
+            acc.tokens += prefill_tokens
+            acc.blocks += blocks
+            acc.src = None
 
     def _drop(self, e: _Entry) -> None:
         if not e.live:
             return
         e.live = False
-        self._copies.pop(e.worker_id, None)
         acc = self._per_worker[e.worker_id]
-        acc[0] -= 1
-        acc[1] -= e.tokens
-        acc[2] -= e.blocks
-        if acc[0] <= 0:
+        acc.seqs -= 1
+        acc.tokens -= e.tokens
+        acc.blocks -= e.blocks
+        acc.src = None
+        if acc.seqs <= 0:
             del self._per_worker[e.worker_id]
 
     def release(self, request_id: str, worker_id: str | None = None) -> None:
@@ -102,7 +119,7 @@ class PendingLoad:
 
     def pending_for(self, worker_id: str) -> tuple[int, int, int]:
         acc = self._per_worker.get(worker_id)
-        return (acc[0], acc[1], acc[2]) if acc else (0, 0, 0)
+        return (acc.seqs, acc.tokens, acc.blocks) if acc else (0, 0, 0)
 
     def overlay(self, views: Sequence[WorkerView], now: float) -> Sequence[WorkerView]:
         """``views`` with pending load added (copies only for workers that have some).
@@ -114,14 +131,10 @@ class PendingLoad:
         per = self._per_worker
         if not per:
             return views
-        get, over = per.get, self._over
-        return [v if (acc := get(v.worker_id)) is None else over(v, acc) for v in views]
-
-    def _over(self, v: WorkerView, acc: list[int]) -> WorkerView:
-        c = self._copies.get(v.worker_id)
-        if c is None or c[0] is not v:
-            c = self._copies[v.worker_id] = (v, _plus(v, acc))
-        return c[1]
+        get = per.get
+        # the kept copy inline (no call per pending worker: hundreds at once in the simulator's big runs)
+        return [v if (acc := get(v.worker_id)) is None else acc.copy if acc.src is v else acc.over(v)
+                for v in views]
 
 
 # Every field of a view, in constructor order: a copy keeps each one (step time, context pool, any added later)
@@ -130,7 +143,7 @@ class PendingLoad:
 _FIELDS = attrgetter(*(f.name for f in fields(WorkerView)))
 
 
-def _plus(v: WorkerView, acc: list[int]) -> WorkerView:
+def _plus(v: WorkerView, acc: tuple[int, int, int]) -> WorkerView:
     c = WorkerView(*_FIELDS(v))
     c.active_seqs += acc[0]
     c.queued_prefill_tokens += acc[1]

@@ -38,15 +38,15 @@ class EventLoop:
         """Process events in time order until none is left, ``until`` is passed, or ``stop()`` says so."""
         heap = self._heap
         pop = heapq.heappop
+        limit = float("inf") if until is None else until
         n = 0
         while heap:
-            t, _, fn, arg = heap[0]
-            if until is not None and t > until:
+            if heap[0][0] > limit:
                 break
-            pop(heap)
+            t, _, fn, arg = pop(heap)
             self.now = t
             fn(arg)
             n += 1
-            if stop is not None and not (n & 1023) and stop():
+            if not (n & 1023) and stop is not None and stop():
                 break
         self.processed += n

@@ -7,8 +7,11 @@ The router side is the live code, unchanged (see :mod:`splitserve.routing.live`)
 * the :class:`~splitserve.routing.Router` built by ``build_router`` with the service's ``DisaggPolicy`` and
   ``ContextPools``, deciding on :class:`WorkerView` s made by ``view_from_load`` from simulated heartbeats
   (every ``heartbeat_s``, staggered per worker), in the order the live registry lists them;
-* ``router.release(rid, worker)`` when a worker's heartbeat lists a request it was sent, ``release(rid)``
-  when it finishes (the pending-load ledger of ``cost.py``/``pending.py``);
+* ``router.release(key, worker)`` when a worker's heartbeat lists a request it was sent (the first such
+  heartbeat: a later release changes nothing), ``release(key)`` when it finishes (the pending-load ledger of
+  ``cost.py``/``pending.py``). Requests are named as the live router names them, by
+  ``proto.request_key(tenant, request_id)`` (the routing request's id, the ledger's key and what heartbeats
+  list), since a request id is unique only within its tenant;
 * ``router.apply_events`` with each worker's KV event batches (:mod:`splitserve.cache.events`), delivered
   after ``bus_delay_s``, into the router's :class:`~splitserve.cache.index.PrefixIndex` replica;
 * the :class:`~splitserve.tenancy.quota.QuotaBook` at intake (check / admit / finish) and the
@@ -28,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from proto import request_key
 from splitserve.cache.events import KvEventBatch
 from splitserve.cache.index import PrefixIndex
 from splitserve.routing import NoWorkers, RoutingRequest, WorkerView
@@ -154,13 +158,14 @@ class Sim:
         # heartbeat-derived state, in the live registry's order (decoders, then prefillers; first heard first)
         self.views: list[WorkerView] = []
         self._pos: dict[str, int] = {}
+        self._n_decode_views = 0
         self._reported: dict[str, int] = {}  # decoder -> active + queued in its last heartbeat
         self._mine: dict[str, int] = {}  # decoder -> requests this router sent it and that have not finished
         self._slots: dict[str, int] = {}
         self.free_slots = 0
         self.queues: dict[str, deque[SimRequest]] = {}
         self.pending: dict[str, int] = {}
-        self.inflight: dict[str, Seq] = {}
+        self.inflight: dict[str, Seq] = {}  # by request_key(tenant, request_id)
         self.done: list[Seq] = []
         self.refused: list[tuple[SimRequest, str]] = []
         self.failed: list[tuple[SimRequest, str]] = []
@@ -168,6 +173,7 @@ class Sim:
         self.log: list[tuple[Any, ...]] = []
         self.itl = array("d")
         self.itl_by_kind: dict[str, array[float]] = {}
+        self._kinds = any(r.kind for r in self.requests)  # any per-kind ITL to keep
         self.horizon = max((r.arrival_s for r in self.requests), default=0.0) + 1.0
         nb = max(1, cfg.util_buckets)
         self.util_dt = self.horizon / nb
@@ -184,23 +190,34 @@ class Sim:
         view = view_from_load(w.wid, w.role, pool, active_seqs=active, queued_prefill_tokens=qtokens,
                               free_blocks=max(0, cache.free), total_blocks=cache.total, used_blocks=cache.used,
                               prefill_tokens_per_s=rate, step_ms=step)
-        ids = w.active_ids()
-        if self.cfg.record:
-            self.log.append(("hb", now, w.wid, w.role, pool, {
+        held = w.active()
+        wid = w.wid
+        if self.cfg.record:  # the heartbeat's active_requests: request keys (ids are unique per tenant only)
+            self.log.append(("hb", now, wid, w.role, pool, {
                 "active_seqs": active, "queued_requests": queued, "queued_prefill_tokens": qtokens,
                 "free_blocks": max(0, cache.free), "total_blocks": cache.total, "used_blocks": cache.used,
                 "prefill_tokens_per_s": rate, "step_ms": step,
-                "max_seqs": w.max_seqs if isinstance(w, DecodeWorker) else None}, list(ids)))
-        pos = self._pos.get(w.wid)
+                "max_seqs": w.max_seqs if isinstance(w, DecodeWorker) else None}, [s.key for s in held]))
+        pos = self._pos.get(wid)
         if pos is None:
             self._register(w, view)
         else:
             self.views[pos] = view
+        # The live router releases every listed request it has in flight, on every heartbeat; a release after the
+        # first for the same (request, worker) changes nothing (the ledger entry is gone), so only the first is
+        # made. A worker holds only the requests it was sent (a decoder: its decoder's; a prefiller: its
+        # prefiller's), and a finished request is in no list.
         release = self.router.release
-        inflight = self.inflight
-        for rid in ids:
-            if rid in inflight:
-                release(rid, w.wid)
+        if isinstance(w, DecodeWorker):
+            for s in held:
+                if s.unlisted_decoder:
+                    s.unlisted_decoder = False
+                    release(s.key, wid)
+        else:
+            for s in held:
+                if s.unlisted_prefiller:
+                    s.unlisted_prefiller = False
+                    release(s.key, wid)
         if isinstance(w, DecodeWorker):
             self._reported[w.wid] = active + queued
             self._update_slots(w.wid)
@@ -213,12 +230,16 @@ class Sim:
 
     def _register(self, w: DecodeWorker | PrefillWorker, view: WorkerView) -> None:
         # live: registry.live("decode") + registry.live("prefill"), each in first-heard order
+        views, pos = self.views, self._pos
         if w.role == "decode":
-            at = sum(1 for v in self.views if v.role == "decode")
-            self.views.insert(at, view)
+            at = self._n_decode_views  # after the decoders heard so far, before the prefillers
+            self._n_decode_views += 1
+            views.insert(at, view)
+            for i in range(at, len(views)):
+                pos[views[i].worker_id] = i
         else:
-            self.views.append(view)
-        self._pos = {v.worker_id: i for i, v in enumerate(self.views)}
+            pos[view.worker_id] = len(views)
+            views.append(view)
 
     def _update_slots(self, wid: str) -> None:
         w = self.by_id[wid]
@@ -274,7 +295,8 @@ class Sim:
         now = self.loop.now
         cfg = self.cfg
         hashes = r.hashes(cfg.block_size)
-        rreq = RoutingRequest(request_id=r.request_id, tenant=r.tenant, block_hashes=hashes,
+        key = request_key(r.tenant, r.request_id)  # as the live router names it (ids are unique per tenant)
+        rreq = RoutingRequest(request_id=key, tenant=r.tenant, block_hashes=hashes,
                               prompt_tokens=r.prompt_tokens, session_key=r.session)
         try:
             d = self.router.decide(rreq, self.views, now)
@@ -282,14 +304,15 @@ class Sim:
             self.failed.append((r, str(exc)))
             self.quota.finish(r.tenant, r.request_id, None, now)
             return
-        if cfg.record:
-            self.log.append(("route", now, r.request_id, r.tenant, r.token_ids, r.output_tokens, d.to_dict()))
+        if cfg.record:  # the decision as the live router publishes it: the policy knows the request by its key
+            self.log.append(("route", now, r.request_id, r.tenant, r.token_ids, r.output_tokens,
+                             {**d.to_dict(), "request_id": r.request_id}))
         charge = r.prompt_tokens + r.output_tokens
         self.fair.charge(r.tenant, charge)
         s = Seq(r, route=d.route, decoder=d.decoder, prefiller=d.prefiller, hashes=hashes, dispatched_s=now,
-                charged=charge)
+                charged=charge, key=key)
         s.decoder_cached = d.cached_tokens
-        self.inflight[r.request_id] = s
+        self.inflight[key] = s
         self._mine[d.decoder] = self._mine.get(d.decoder, 0) + 1
         self._update_slots(d.decoder)
         if d.prefiller is not None:
@@ -324,7 +347,22 @@ class Sim:
     def first_token(self, s: Seq) -> None:
         s.first_token_s = self.loop.now
 
+    def tokens(self, seqs: list[Seq], gaps: list[float]) -> None:
+        """One step's tokens: ``seqs[i]`` produced one ``gaps[i]`` after its last (the worker keeps each
+        sequence's own ITL figures)."""
+        self.itl.extend(gaps)
+        if self._kinds:
+            by_kind = self.itl_by_kind
+            for s, gap in zip(seqs, gaps, strict=True):
+                k = s.req.kind
+                if k:
+                    arr = by_kind.get(k)
+                    if arr is None:
+                        arr = by_kind[k] = array("d")
+                    arr.append(gap)
+
     def token(self, s: Seq, gap: float) -> None:
+        """One token of ``s``, ``gap`` after its last: the ITL series and ``s``'s own figures."""
         self.itl.append(gap)
         k = s.req.kind
         if k:
@@ -341,11 +379,11 @@ class Sim:
         now = self.loop.now
         r = s.req
         rid = r.request_id
-        self.inflight.pop(rid, None)
+        self.inflight.pop(s.key, None)
         used = r.prompt_tokens + r.output_tokens
         if self.cfg.record:
             self.log.append(("fin", now, rid, r.tenant, r.prompt_tokens, r.output_tokens))
-        self.router.release(rid)
+        self.router.release(s.key)
         self.fair.settle(r.tenant, s.charged, used)
         self.quota.finish(r.tenant, rid, used, now)
         self._mine[s.decoder] -= 1

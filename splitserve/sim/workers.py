@@ -26,6 +26,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from proto import request_key
 from splitserve.cache.events import BlockRemoved, BlockStored, KvEvent, KvEventBatch
 
 if TYPE_CHECKING:
@@ -66,6 +67,16 @@ class Seq:
     itl_sum: float = 0.0
     itls: int = 0
     charged: int = 0
+    # ``proto.request_key(tenant, request_id)``: how heartbeats list it and the router's ledger names it (a
+    # request id is unique only within its tenant); derived from ``req`` when not given
+    key: str = ""
+    # the router has not yet been told that the decoder's / the prefiller's heartbeat lists it
+    unlisted_decoder: bool = True
+    unlisted_prefiller: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            self.key = request_key(self.req.tenant, self.req.request_id)
 
 
 class PrefixCache:
@@ -203,7 +214,7 @@ class Cluster(Protocol):
     def publish_kv(self, batch: KvEventBatch) -> None: ...
     def account(self, w: object, start: float, dur: float) -> None: ...
     def first_token(self, s: Seq) -> None: ...
-    def token(self, s: Seq, gap: float) -> None: ...
+    def tokens(self, seqs: list[Seq], gaps: list[float]) -> None: ...
     def finished(self, s: Seq) -> None: ...
     def kv_landed(self, s: Seq) -> None: ...
     def transfer_s(self, s: Seq, nbytes: int, compute_s: float) -> float: ...
@@ -270,8 +281,13 @@ class PrefillWorker(_Worker):
         """(active sequences, queued requests, queued prefill tokens)."""
         return len(self.batch), len(self.q), self.queued_tokens
 
+    def active(self) -> list[Seq]:
+        """The sequences it holds, in the order its heartbeat lists them."""
+        return [*self.batch, *self.q]
+
     def active_ids(self) -> list[str]:
-        return [s.req.request_id for s in self.batch] + [s.req.request_id for s in self.q]
+        """What its heartbeat lists: ``proto.request_key(tenant, request_id)`` of each sequence it holds."""
+        return [s.key for s in self.active()]
 
 
 class DecodeWorker(_Worker):
@@ -385,13 +401,16 @@ class DecodeWorker(_Worker):
 
     # --- the step loop -------------------------------------------------------------------------------------
     def _step(self, _: object) -> None:
-        loop = self.c.loop
+        c = self.c
+        loop = c.loop
         last = None
-        if self.step_batch is not None:
-            self._apply(*self.step_batch)
-            last = self.step_batch[0]
+        batch = self.step_batch
+        if batch is not None:
+            last = batch[0]
+            self._apply(last, batch[1])
             self.step_batch = None
-        self._admit()
+        if self.waiting:
+            self._admit()
         if self.ctx_budget is not None and last:
             # the streams just decoded go to the back of the line, behind those that waited and those that
             # arrived during the step (DistServe: a decoded batch is re-queued at the end of the decode queue)
@@ -440,26 +459,39 @@ class DecodeWorker(_Worker):
             self.step_ms_ema = dur * 1000.0 if e is None else 0.8 * e + 0.2 * dur * 1000.0
         self.busy = True
         self.step_batch = (list(decodes), chunks)
-        self._ran(dur)
-        loop.after(dur, self._step)
+        now = loop.now
+        self.busy_s += dur  # _ran, inline (once per decode step: the simulator's most frequent event)
+        self.steps += 1
+        c.account(self, now, dur)
+        loop.at(now + dur, self._step)
 
     def _apply(self, decodes: list[Seq], chunks: list[tuple[Seq, int]]) -> None:
         c = self.c
         now = c.loop.now
         finished: list[Seq] = []
+        # the streams that produced a token this step and their inter-token gaps, reported in one call
+        toks: list[Seq] = []
+        gaps: list[float] = []
         for s in decodes:
             if s.recompute:
                 continue  # preempted during this step's bookkeeping: its token is not produced
             gap = now - s.last_token_s
             s.last_token_s = now
             s.ctx += 1
-            self.ctx_sum += 1
             s.left -= 1
-            c.token(s, gap)
+            toks.append(s)
+            gaps.append(gap)
+            s.itl_sum += gap
+            s.itls += 1
+            if gap > s.itl_max:
+                s.itl_max = gap
             if s.left <= 0:
                 finished.append(s)
             elif s.ctx >= s.alloc and not self._grow(s):
                 continue
+        if toks:
+            self.ctx_sum += len(toks)  # one per token (integers: the same sum as adding each in turn)
+            c.tokens(toks, gaps)
         for s, n in chunks:
             s.todo -= n
             s.done += n
@@ -497,6 +529,10 @@ class DecodeWorker(_Worker):
         prefill_left = sum(s.todo for s in self.prefilling) + self.queued_tokens
         return len(self.running) + len(self.prefilling), len(self.waiting), prefill_left
 
+    def active(self) -> list[Seq]:
+        """The sequences it holds, in the order its heartbeat lists them."""
+        return [*self.running, *self.prefilling, *self.waiting]
+
     def active_ids(self) -> list[str]:
-        return ([s.req.request_id for s in self.running] + [s.req.request_id for s in self.prefilling]
-                + [s.req.request_id for s in self.waiting])
+        """What its heartbeat lists: ``proto.request_key(tenant, request_id)`` of each sequence it holds."""
+        return [s.key for s in self.active()]
