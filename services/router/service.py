@@ -119,6 +119,8 @@ RECONCILE_AFTER_S = 30.0  # reservations younger than this are never questioned 
 INLINE_TOKENIZE_BYTES = 16_384  # prompts up to this size are tokenized on the event loop (~100 us)
 TOKENIZE_WAITING = 8  # large prompts tokenizing or waiting for the tokenizer thread at once; more: busy
 OPEN_MODE_MAX_TENANTS = 1024  # distinct tenant names served without a tenants file
+RECENT_ENDS_KEPT = 20_000  # ends remembered for the free-slot count (a heartbeat lags them by at most ~1 s)
+DROPPED_KEPT = 100_000  # requests ended in the queue, remembered until their queue message comes up
 
 
 class _TokenizerBusy(Exception):
@@ -134,6 +136,8 @@ class _Rate:
 
     def add(self, now: float) -> None:
         self._t.append(now)
+        if len(self._t) > 64 and self._t[0] < now - self.window_s:
+            self.per_s(now)  # drop what left the window: nobody may ask for a while (only reports do)
 
     def per_s(self, now: float) -> float:
         while self._t and self._t[0] < now - self.window_s:
@@ -364,7 +368,7 @@ class RouterService(Service):
             self._dispatch_wake.set()
         ends = self._recent_ends
         ends[key] = None
-        if len(ends) > 20_000:
+        if len(ends) > RECENT_ENDS_KEPT:
             ends.popitem(last=False)
 
     async def _retire(self, inf: Inflight, used_tokens: int | None, status: str = "error") -> None:
@@ -739,7 +743,7 @@ class RouterService(Service):
         tenant, stream_subject, prompt_tokens = self._accepted_meta.pop(key)
         rid = key[len(tenant) + 1:]
         self.dropped[key] = None
-        while len(self.dropped) > 100_000:
+        while len(self.dropped) > DROPPED_KEPT:
             self.dropped.popitem(last=False)
         self.log.info("queued_request_ended", request_id=rid, tenant=tenant, reason=reason, why=why)
         usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0)
