@@ -67,7 +67,8 @@ class StackProc:
     state_dir: Path
     output: list[str] = field(default_factory=list)
     http_url: str | None = None  # the OpenAI-compatible front door, e.g. http://127.0.0.1:8000 (no /v1)
-    metrics_url: str | None = None  # the front door's /metrics, on its own loopback port
+    metrics_url: str | None = None  # frontend-0's /metrics, on its own loopback port
+    metrics_urls: list[str] = field(default_factory=list)  # every front door's (each counts its own HTTP series)
 
     def logs(self, name: str) -> str:
         try:
@@ -109,6 +110,7 @@ def start_stack(state_dir: Path, *args: str, timeout: float = 420.0, exe: str | 
     url = None
     http_url = None
     metrics_url = None
+    metrics_urls: list[str] = []
     up = False
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -128,9 +130,11 @@ def start_stack(state_dir: Path, *args: str, timeout: float = 420.0, exe: str | 
         m = re.search(r"metrics: +(http://\S+/metrics)", line)
         if m:
             metrics_url = m.group(1)
+            metrics_urls = re.findall(r"(http://[^\s;)]+/metrics)", line)  # frontend-0's first, then the others
         up = up or bool("splitserve is up" in line and url)
         # The API line follows the "up" line; the block always ends with "stop:".
         if up and url and "stop:" in line:  # the block's last line: every URL above it has been read
-            return StackProc(proc, url, state_dir, seen, http_url=http_url, metrics_url=metrics_url)
+            return StackProc(proc, url, state_dir, seen, http_url=http_url, metrics_url=metrics_url,
+                             metrics_urls=metrics_urls)
     proc.kill()
     raise RuntimeError("splitserve up did not come up:\n" + "\n".join(seen))
