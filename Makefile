@@ -4,10 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# `make test` can spread test files over pytest workers (pytest-xdist; a file's tests stay together: its module
-# fixtures start one stack): TEST_WORKERS=N. On a 2-core machine the real-model tests keep both cores busy, so
-# 2 workers saved little (38 vs ~45 min) and added timing noise: the default is one process.
-TEST_WORKERS ?= 0
+# `make test` spreads the slow tier's files over pytest workers (pytest-xdist; a file's tests stay together: its
+# module fixtures start one stack): TEST_WORKERS=N (0: one process). Most slow tests wait on processes they
+# started, so 3 workers fit 2 cores: 17.8 min for the slow tier here, against ~26 min in one process; the suite
+# is CPU-bound beyond that (31 CPU-minutes).
+TEST_WORKERS ?= 3
 ARGS ?=
 
 .PHONY: setup sysdeps run test test-fast lint bench clean lock
