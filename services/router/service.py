@@ -153,7 +153,10 @@ class Inflight:
     decoder: str
     prefiller: str | None
     holder: str  # the worker currently responsible for the request
-    routed_at: float = field(default_factory=time.monotonic)
+    # (``time.monotonic()`` looked up when called: the simulator-equivalence and memory tests run this module on
+    # their own clock)
+    routed_at: float = field(default_factory=lambda: time.monotonic())  # moved on by the lost-job check
+    sent_at: float = field(default_factory=lambda: time.monotonic())  # its current attempt sent (or adopted)
     trace_ctx: SpanContext | None = None  # router.request's span: a later failure is recorded under it
     queue_msg: Msg | None = None  # its durable queue message, acked when the request ends
     charged: int = 0  # tokens the fair scheduler charged at dispatch (settled at finish)
@@ -543,7 +546,7 @@ class RouterService(Service):
         st = self.registry.workers.get(wid)
         fresh = st.first_seen if st is not None and st.dead_reason is None else float("inf")
         for inf in list(self.inflight.values()):
-            if inf.routed_at >= fresh:
+            if inf.sent_at >= fresh:
                 continue
             if inf.decoder == wid or (inf.holder == wid and inf.prefiller != wid):
                 self.b.spawn(self._migrate(inf, inf.attempt, reason, wid, decoder_failed=True))
@@ -644,7 +647,7 @@ class RouterService(Service):
             start_seq=inf.next_seq, route=route, decoder_id=decision.decoder, prefill_worker=decision.prefiller,
             routed_ms=now_ms(), decision=ddict, cache_salt=salt))
         inf.job, inf.attempt, inf.started, inf.confirmed = job, attempt + 1, False, False
-        inf.routed_at = time.monotonic()
+        inf.routed_at = inf.sent_at = time.monotonic()
         inf.decoder, inf.prefiller = decision.decoder, decision.prefiller
         inf.holder = decision.prefiller or decision.decoder
         tracing.set_attrs(sp, migrated=True, route=str(route.value), decoder=decision.decoder,
