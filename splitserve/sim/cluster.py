@@ -361,20 +361,6 @@ class Sim:
                         arr = by_kind[k] = array("d")
                     arr.append(gap)
 
-    def token(self, s: Seq, gap: float) -> None:
-        """One token of ``s``, ``gap`` after its last: the ITL series and ``s``'s own figures."""
-        self.itl.append(gap)
-        k = s.req.kind
-        if k:
-            arr = self.itl_by_kind.get(k)
-            if arr is None:
-                arr = self.itl_by_kind[k] = array("d")
-            arr.append(gap)
-        s.itl_sum += gap
-        s.itls += 1
-        if gap > s.itl_max:
-            s.itl_max = gap
-
     def finished(self, s: Seq) -> None:
         now = self.loop.now
         r = s.req

@@ -285,10 +285,6 @@ class PrefillWorker(_Worker):
         """The sequences it holds, in the order its heartbeat lists them."""
         return [*self.batch, *self.q]
 
-    def active_ids(self) -> list[str]:
-        """What its heartbeat lists: ``proto.request_key(tenant, request_id)`` of each sequence it holds."""
-        return [s.key for s in self.active()]
-
 
 class DecodeWorker(_Worker):
     role = "decode"
@@ -532,7 +528,3 @@ class DecodeWorker(_Worker):
     def active(self) -> list[Seq]:
         """The sequences it holds, in the order its heartbeat lists them."""
         return [*self.running, *self.prefilling, *self.waiting]
-
-    def active_ids(self) -> list[str]:
-        """What its heartbeat lists: ``proto.request_key(tenant, request_id)`` of each sequence it holds."""
-        return [s.key for s in self.active()]
