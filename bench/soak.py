@@ -39,7 +39,7 @@ def _monitor(port: int, path: str) -> dict[str, Any]:
 
 async def _sample(cluster: chaos.Cluster, nc: Any, t0: float) -> dict[str, Any]:
     rss: dict[str, float] = {}
-    for name, p in cluster.procs.items():
+    for name, p in [*cluster.procs.items(), ("nats-server", cluster.nats.proc)]:
         try:
             rss[name] = psutil.Process(p.pid).memory_info().rss / 2**20
         except psutil.Error:
@@ -75,20 +75,23 @@ async def run(minutes: float, clients: int, engine: str, step_ms: int, sample_s:
         samples: list[dict[str, Any]] = []
         while not load.done():
             await asyncio.sleep(sample_s)
-            samples.append(await _sample(cluster, nc, t0))
+            samples.append({**await _sample(cluster, nc, t0), "requests": len(out)})
             last = samples[-1]
             print(f"  t={last['t_s']:7.1f}s  rss MiB {json.dumps(last['rss_mib'])}  subs {last['subscriptions']}  "
                   f"conns {last['connections']}  consumers {last['consumers']}  requests {len(out)}", flush=True)
         await load
-        samples.append(await _sample(cluster, nc, t0))
+        samples.append({**await _sample(cluster, nc, t0), "requests": len(out)})
         await asyncio.sleep(5.0)  # every client gone, every request settled
         idle_after = await _sample(cluster, nc, t0)
         await nc.close()
         base = next((s for s in samples if s["t_s"] >= warmup_s), samples[0])
         end = samples[-1]
+        # requests sent between the baseline sample and the end (each sample notes how many had been sent)
+        per = max(1, end["requests"] - base["requests"])
         growth = {k: {"base_mib": base["rss_mib"][k], "end_mib": end["rss_mib"][k],
                       "growth_mib": round(end["rss_mib"][k] - base["rss_mib"][k], 1),
-                      "growth_pct": round(100 * (end["rss_mib"][k] / base["rss_mib"][k] - 1), 1)}
+                      "growth_pct": round(100 * (end["rss_mib"][k] / base["rss_mib"][k] - 1), 1),
+                      "bytes_per_request": round((end["rss_mib"][k] - base["rss_mib"][k]) * 2**20 / per)}
                   for k in base["rss_mib"]}
         accepted = [o for o in out.values() if o.accepted]
         return {"minutes": minutes, "engine": engine, "clients": clients, "requests": len(out),
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"baseline after warm-up: t={r['baseline_at_s']} s")
     for name, g in r["rss"].items():
         print(f"  {name:<14} RSS {g['base_mib']:8.1f} -> {g['end_mib']:8.1f} MiB  ({g['growth_mib']:+.1f} MiB, "
-              f"{g['growth_pct']:+.1f}%)")
+              f"{g['growth_pct']:+.1f}%, {g['bytes_per_request']:+d} B/request)")
     print(f"under load: subscriptions {r['subscriptions'][0]} -> {r['subscriptions'][1]}, connections "
           f"{r['connections'][0]} -> {r['connections'][1]}, queue consumers {r['consumers'][0]} -> {r['consumers'][1]}")
     print(f"idle, before -> after the load: subscriptions {r['idle_subscriptions'][0]} -> "

@@ -31,8 +31,10 @@ def spawn_service(module: str, *args: str, nats_url: str, worker_id: str, log_di
                             stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
-async def wait_ready(nats_url: str, worker_ids: Iterable[str], timeout: float = 240.0) -> dict[str, proto.Heartbeat]:
-    """Wait until every named worker has sent a "ready" heartbeat; returns the last heartbeat of each."""
+async def wait_ready(nats_url: str, worker_ids: Iterable[str], timeout: float = 240.0, *, user: str | None = None,
+                     password: str | None = None) -> dict[str, proto.Heartbeat]:
+    """Wait until every named worker has sent a "ready" heartbeat; returns the last heartbeat of each.
+    ``user``/``password``: an account that may read heartbeats, on a closed stack (its ``admin``)."""
     import asyncio
 
     import nats
@@ -41,7 +43,7 @@ async def wait_ready(nats_url: str, worker_ids: Iterable[str], timeout: float = 
     seen: dict[str, proto.Heartbeat] = {}
     from splitserve.discovery import server_list
 
-    nc = await nats.connect(server_list(nats_url))
+    nc = await nats.connect(server_list(nats_url), user=user, password=password)
     done = asyncio.Event()
 
     async def cb(msg: object) -> None:

@@ -516,6 +516,17 @@ class DecodeService(Service):
             self.stream_spans.pop(job.key, trace.INVALID_SPAN).end()
             return
         self.active[job.key] = seq
+        ended = stop.resumed_end(job.resume_token_ids[-1]) if job.resume_token_ids else None
+        if ended is not None:
+            # the previous decoder published the token that ended the output and died before its final
+            # message: end it as that decoder would have, with no token more
+            seq.text += ended.text
+            if job.stream and ended.text:
+                await self.b.publish(job.stream_subject, StreamDelta(request_id=job.request_id, seq=seq.seq_no,
+                                                                     token_ids=[], text=ended.text))
+                seq.seq_no += 1
+            await self._finish(seq, "stop")
+            return
         await self._emit(seq, first, first_lp)
 
     async def _local_prefill(self, ids: list[int], sampling: Sampling, cache_salt: str | None = None) -> PrefillResult:

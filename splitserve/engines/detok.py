@@ -134,6 +134,21 @@ class StopChecker:
         self.pending = buffer[len(buffer) - keep :] if keep else ""
         return StopUpdate(buffer[: len(buffer) - keep], None)
 
+    def resumed_end(self, last_token: int) -> StopUpdate | None:
+        """For output resumed on another worker (``pending`` set to the text the previous worker withheld, and
+        ``min_tokens`` to what was still owed): whether that output had already ended, before any new token.
+        The previous worker may have published the token that ended it (with the text before a stop string)
+        and died before its final message; a new token would run past the stop. None: not ended."""
+        if self.finish_reason is not None or self.min_tokens > 0:
+            return None
+        if int(last_token) in self.eos_ids:
+            return self._finish("stop", self.pending)
+        match = min(((self.pending.find(s), s) for s in self.stop_strings if s in self.pending), default=None,
+                    key=lambda m: m[0])
+        if match is not None:
+            return self._finish("stop", self.pending[: match[0]], match[1])
+        return None
+
     def finish(self, reason: str) -> StopUpdate:
         """Finish for an outside reason (e.g. "length" at the model's context limit, or "abort"):
         releases the withheld text."""

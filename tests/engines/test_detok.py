@@ -137,3 +137,19 @@ def test_detok_and_stop_together(tiny_tokenizer: PreTrainedTokenizerFast) -> Non
         if update.finish_reason:
             break
     assert (out, checker.finish_reason) == ("Café 🚀 ", "stop")
+
+
+def test_resumed_output_that_had_already_ended() -> None:
+    """Output moved to another worker: the text the previous worker withheld (``pending``) or its last token
+    may already have ended it; then nothing more is generated."""
+    c = StopChecker(["END"], eos_ids=[2], max_tokens=10)
+    c.pending = " END of it"
+    assert c.resumed_end(last_token=7) == StopUpdate(" ", "stop", "END")
+    c = StopChecker(["END"], eos_ids=[2], max_tokens=10)
+    c.pending = "EN"  # only the start of a stop string: it goes on
+    assert c.resumed_end(last_token=7) is None and c.finish_reason is None
+    c = StopChecker([], eos_ids=[2], max_tokens=10)
+    assert c.resumed_end(last_token=2) == StopUpdate("", "stop")
+    c = StopChecker(["END"], eos_ids=[2], max_tokens=10, min_tokens=3)  # tokens still owed: it cannot have ended
+    c.pending = "END"
+    assert c.resumed_end(last_token=2) is None

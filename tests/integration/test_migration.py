@@ -315,3 +315,48 @@ async def test_a_prompt_no_decoder_buffer_can_hold_fails_at_once(
     assert ok.finish_reason == "length" and ok.prefill_worker == "prefill-c"
     log = (logs / "router-c.log").read_text()
     assert '"migrated"' not in log and '"job_bounced"' not in log, log[-3000:]
+
+
+async def test_a_resumed_output_that_had_already_stopped_ends_with_no_token_more(
+        fresh_nats: NatsServer, tmp_path: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+    """A decoder publishes the token that completes a stop string (with the text before it) and dies before its
+    final message; the router moves the request with that token among the resumed ones. The new decoder used to
+    generate a token more (its stop check only looked at new text): the output ran one token past the stop, or
+    on to max_tokens when the withheld text did not line up. It now ends at once, as the first decoder would
+    have: the resumed tokens, the text before the stop, finish_reason stop. The same for a resumed EOS."""
+    from splitserve.engines import load_engine
+
+    url, logs = fresh_nats.url, tmp_path / "logs"
+    procs.append(_decoder(url, logs, "decode-s", 10))
+    await wait_ready(url, ["decode-s"], timeout=180)
+    tok = load_engine("mock").tokenizer
+    prompt = tok.encode("Write one line.", add_special_tokens=False)
+    shown = " The answer is forty-two."  # what the caller already has
+    resume = tok.encode(shown + " END of it", add_special_tokens=False)
+    eos = int(tok.eos_token_id)
+    nc = await nats.connect(url)
+    try:
+        # the first decoder published the stop's token with the text before the stop (its leading space)
+        for rid, tokens, text, stop in [("stopped", resume, shown + " ", ["END"]),
+                                        ("eos", [*tok.encode(shown, add_special_tokens=False), eos], shown, []),
+                                        ("running", tok.encode(shown, add_special_tokens=False), shown, ["END"])]:
+            subject = proto.Subjects.stream("t", rid)
+            sub = await nc.subscribe(subject)
+            job = proto.DecodeJob(request_id=rid, tenant="t", prompt_token_ids=prompt, stream_subject=subject,
+                                  sampling=proto.SamplingParams(max_tokens=40, stop=stop), route=proto.Route.DIRECT,
+                                  decoder_id="decode-s", created_ms=proto.now_ms(), attempt=1,
+                                  resume_token_ids=tokens, resume_text=text, start_seq=len(tokens))
+            await nc.publish(proto.Subjects.decode_job("decode-s"), proto.encode(job))
+            while True:
+                msg = proto.decode_stream((await sub.next_msg(timeout=30)).data)
+                if isinstance(msg, proto.StreamFinal):
+                    break
+            await sub.unsubscribe()
+            if rid == "running":  # nothing had ended: it goes on, after the resumed tokens
+                assert len(msg.token_ids) > len(tokens) and msg.token_ids[:len(tokens)] == tokens, msg
+                continue
+            assert msg.finish_reason == "stop", (rid, msg)
+            assert msg.token_ids == tokens, (rid, msg.token_ids, tokens)  # no token past the end
+            assert msg.text == text and msg.seq == len(tokens), (rid, msg)
+    finally:
+        await nc.close()
