@@ -44,6 +44,9 @@ from splitserve.runtime.bus import Bus
 from splitserve.runtime.jetstream import ensure_stream, replicas_for
 
 log = structlog.get_logger("splitserve.router.queue")
+# How long one attempt to make a lane's consumer waits for the server; the dispatch loop's refresh (every 0.5 s)
+# tries again, so an unanswered attempt holds dispatch for this long, not for nats-py's default 5 s.
+LANE_CREATE_TIMEOUT_S = 1.0
 
 NUM_CLASSES = 3  # priority 0-3 -> p0, 4-7 -> p1, 8-9 -> p2
 PULL_TIMEOUT_S = 2.0  # a no-wait pull is answered at once; this only bounds a lost answer
@@ -152,7 +155,15 @@ class WorkQueue:
         ack = await self.js.publish(subject, data, headers=headers, timeout=5.0)
         if ack.duplicate:
             return False
-        lane = await self.lane(req.tenant, klass)
+        # Stored, so accepted, whatever follows. A tenant's first request also makes its lane (a durable
+        # consumer); on a degraded cluster that call can go unanswered while the stream's leader is elected
+        # (measured: 5 s, then a timeout, on a 3-node cluster with the leader killed). It is not the caller's
+        # business: refresh() finds the lane from the stored message and makes it on a later pass.
+        try:
+            lane = await self.lane(req.tenant, klass)
+        except Exception as exc:
+            log.warning("lane_deferred", tenant=req.tenant, klass=klass, error=repr(exc))
+            return True
         lane.pending += 1
         return True
 
@@ -169,7 +180,8 @@ class WorkQueue:
                 cfg = ConsumerConfig(durable_name=name, filter_subject=Subjects.queue(tenant, klass),
                                      ack_policy=AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s, max_deliver=-1,
                                      deliver_policy=DeliverPolicy.ALL, max_ack_pending=100_000)
-                info = await self.js.add_consumer(Subjects.QUEUE_STREAM, cfg)  # create, or update ack wait
+                # create, or update ack wait; a short wait: unanswered (a leader election), it is tried again
+                info = await self.js.add_consumer(Subjects.QUEUE_STREAM, cfg, timeout=LANE_CREATE_TIMEOUT_S)
                 sub = await self.js.pull_subscribe_bind(name, Subjects.QUEUE_STREAM)
                 lane = _Lane(tenant, klass, sub, pending=int(info.num_pending or 0), checked=time.monotonic())
                 self._lanes[key] = lane

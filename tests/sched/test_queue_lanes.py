@@ -1,0 +1,51 @@
+"""A tenant's queue lane (its durable consumer on SS_QUEUE, made on its first request) against a real
+nats-server: a request the queue stored is accepted even when the lane cannot be made at that moment.
+
+On a 3-node cluster with the stream's leader just killed, one consumer create in a dozen went unanswered for
+nats-py's default 5 s (then a timeout) while the new leader was elected. The router used to wait those 5 s in
+intake, then answer ``busy`` for a request the queue had already stored (and would run anyway)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nats.errors import TimeoutError as NatsTimeout
+
+import proto
+from proto import GenerateRequest, QueuedRequest, SamplingParams
+from services.router.workqueue import LANE_CREATE_TIMEOUT_S, WorkQueue
+from splitserve.natsserver import NatsServer
+from splitserve.runtime.bus import Bus
+
+
+def _queued(tenant: str, rid: str) -> QueuedRequest:
+    req = GenerateRequest(request_id=rid, tenant=tenant, prompt="hello", sampling=SamplingParams(max_tokens=4),
+                          stream_subject=proto.Subjects.stream(tenant, rid))
+    return QueuedRequest(request=req, prompt_token_ids=[1, 2, 3], router_id="router-t")
+
+
+async def test_a_stored_request_is_accepted_when_its_lane_cannot_be_made_yet(fresh_nats: NatsServer) -> None:
+    bus = await Bus.connect(fresh_nats.url, "router-t")
+    try:
+        wq = WorkQueue(bus, ack_wait_s=30.0)
+        await wq.setup()
+        real = wq.js.add_consumer
+        timeouts: list[Any] = []
+
+        async def unanswered_once(*args: Any, **kw: Any) -> Any:
+            timeouts.append(kw.get("timeout"))
+            if len(timeouts) == 1:
+                raise NatsTimeout  # as while the stream's leader is elected: no answer
+            return await real(*args, **kw)
+
+        wq.js.add_consumer = unanswered_once  # type: ignore[method-assign]
+        assert await wq.enqueue(_queued("acme", "r1")) is True  # stored: accepted
+        assert [(lane.tenant, lane.klass) for lane in wq.lanes()] == []
+        await wq.refresh()  # the dispatch loop's next pass makes the lane from the stored message
+        msgs = await wq.fetch("acme")
+        assert [proto.decode(m.data, QueuedRequest).request.request_id for m in msgs] == ["r1"]
+        assert timeouts == [LANE_CREATE_TIMEOUT_S, LANE_CREATE_TIMEOUT_S]  # never nats-py's 5 s default
+        # the same request id re-sent is still a duplicate of the stored one, not a second request
+        assert await wq.enqueue(_queued("acme", "r1")) is False
+    finally:
+        await bus.close()
