@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 
 from splitserve.natsserver import NatsCluster, NatsServer, start_nats, start_nats_cluster
+from splitserve.runtime import natsflush
+
+# tests also connect with plain nats-py: the same flush() fix as every splitserve connection
+natsflush.apply()
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -37,6 +37,11 @@ import proto
 from proto import ErrorCode, StreamError
 from splitserve.obs import tracing
 from splitserve.obs.log import get_logger
+from splitserve.runtime import natsflush
+
+# nats-py's flush() lets its PING overtake queued SUB/PUB commands: every connection made through the bus (the
+# services, the SDK, the CLI) gets the fix; see splitserve.runtime.natsflush
+natsflush.apply()
 
 M = TypeVar("M", bound=BaseModel)
 log = get_logger(__name__)

@@ -10,9 +10,10 @@ queued behind them (this module). The same bug was fixed once in nats.py2 (pull 
 which drops commands in some cases because of calling io.write directly").
 
 ``apply()`` replaces ``Client._send_ping`` with one that appends the PING to the pending buffer, so the wire
-order is the call order. It is applied when :mod:`splitserve` is imported (every service, the SDK, the CLI and
-the tests), is idempotent, and leaves a nats-py without these internals alone (checked by
-``tests/wire/test_nats_flush.py``, which reads the server's protocol trace).
+order is the call order. It is applied when :mod:`splitserve.runtime.bus` is imported (every service, the SDK,
+the CLI: each connects through the bus) and by the tests' conftest; it is idempotent, and leaves a nats-py
+without these internals alone (checked by ``tests/wire/test_nats_flush.py``, which reads the server's protocol
+trace).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import nats
 
-import splitserve  # noqa: F401  (applies the fix, as every splitserve process does)
+import splitserve.runtime.bus  # noqa: F401  (applies the fix, as every splitserve process does)
 from splitserve.natsserver import start_nats
 
 
