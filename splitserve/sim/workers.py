@@ -11,9 +11,9 @@ the latency model how long that batch takes, and applies the batch's effects whe
   (chunked prefill, as vLLM and Sarathi do) or, with chunking off, as whole prompts in steps of their own
   that pause every stream. With a ``ctx_budget`` a step decodes only the streams whose context fits it, taken
   in turn (the rest wait a step; DistServe's simulated decoder caps a step at 50,000 context tokens). Admission
-  reserves KV blocks for the prompt's uncached part and the output
-  (no preemption), evicting least-recently-used unpinned prefix blocks when it must; a request that still
-  does not fit waits.
+  reserves KV blocks for the prompt's uncached part and the output (no preemption), evicting
+  least-recently-used unpinned prefix blocks when it must, never the cached prefix it is about to reuse; a
+  request that still does not fit waits.
 
 Both keep a prefix cache of finished prompts' full blocks (LRU, sharing the KV pool) and publish vLLM-style
 KV event batches (:mod:`splitserve.cache.events`) with per-worker sequence numbers - the same structs the
@@ -124,10 +124,25 @@ class PrefixCache:
             else:
                 pins.pop(h, None)
 
-    def reserve(self, blocks: int) -> bool:
-        """Take ``blocks`` for a sequence, evicting unpinned prefix blocks if needed; False if impossible."""
-        if blocks > self.free and not self._evict(blocks - self.free):
-            return False
+    def reserve(self, blocks: int, keep: list[int] | None = None) -> bool:
+        """Take ``blocks`` for a sequence, evicting unpinned prefix blocks if needed; False if impossible.
+
+        ``keep``: cached blocks the caller matched and will pin once this succeeds. They are held for the
+        eviction only, so making room can never drop the prefix the sequence is about to reuse."""
+        if blocks > self.free:
+            if keep:
+                # Held through the pin counts alone, not ``pin``: a failed reserve must leave the LRU order
+                # untouched, and when nothing of ``keep`` would have been evicted anyway the eviction
+                # (and so every run that never needed this) stays exactly what it was.
+                pins = self.pins
+                for h in keep:
+                    pins[h] = pins.get(h, 0) + 1
+                ok = self._evict(blocks - self.free)
+                self.unpin(keep)
+            else:
+                ok = self._evict(blocks - self.free)
+            if not ok:
+                return False
         self.used += blocks
         return True
 
@@ -338,7 +353,10 @@ class DecodeWorker(_Worker):
                 hit = 0 if s.recompute else cache.match(s.hashes)
                 total = s.ctx if s.recompute else p
                 need = -(-(total - hit * bs) // bs) + 1
-                if not cache.reserve(need):
+                # the matched blocks are still unpinned here: the reserve must not evict them to make room
+                # (``need`` counts on them, and pinning an evicted block fails)
+                matched = s.hashes[:hit]
+                if not cache.reserve(need, matched):
                     if self.running or self.prefilling:
                         break
                     need = max(0, cache.free)  # larger than the whole pool: run it degraded rather than never
@@ -346,7 +364,7 @@ class DecodeWorker(_Worker):
                 w.popleft()
                 if not s.recompute:
                     self.queued_tokens -= p
-                    s.pinned = s.hashes[:hit]
+                    s.pinned = matched
                     cache.pin(s.pinned)
                     s.cached_tokens = min(hit * bs, p - 1)
                     s.prefill_start_s = now

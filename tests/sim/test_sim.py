@@ -206,6 +206,50 @@ def test_prefix_cache_evicts_lru_with_a_removed_event() -> None:
     assert not cache.reserve(1)
 
 
+def test_prefix_cache_reserve_keeps_the_blocks_the_caller_will_reuse() -> None:
+    cache = PrefixCache(total_blocks=4, block_size=16)
+    cache.insert([1, 2, 3])
+    cache.events = []
+    assert not cache.reserve(3, keep=[1, 2])  # only 3 may go: one block is not enough room
+    assert list(cache.lru) == [1, 2, 3] and not cache.pins and not cache.events  # no side effects
+    assert cache.reserve(2, keep=[1, 2])  # the LRU blocks 1 and 2 are the prefix being reused: 3 goes instead
+    assert list(cache.lru) == [1, 2] and not cache.pins
+    assert isinstance(cache.events[-1], BlockRemoved) and cache.events[-1].block_hashes == [3]
+    cache.pin([1, 2])  # what admission does next: the blocks are still there to pin
+
+
+def test_admission_never_evicts_the_prefix_it_reuses() -> None:
+    # Regression: with no prefillers and a small pool, a direct request's reserve evicted (as LRU) the
+    # cached prefix blocks it had just matched, and pinning them raised KeyError.
+    from splitserve.sim.cluster import Sim
+    from splitserve.sim.workers import DecodeWorker
+
+    reqs = synthetic(120, 12.0, prompt=(40, 1200), output=(4, 40), prefix_groups=3, prefix_tokens=256,
+                     tenants=("alpha", "beta"), seed=11)
+    sim = Sim(SimConfig(prefill=0, decode=2, kv_tokens=6000, max_seqs=6), reqs)
+
+    def checked(w: DecodeWorker) -> None:
+        step = w._step
+
+        def run(arg: object) -> None:
+            step(arg)
+            c = w.cache
+            assert c.used >= 0 and c.used + len(c.lru) <= c.total  # KV accounting within the pool
+            assert all(h in c.lru for h in c.pins)  # a pinned block is never evicted
+            assert all(h in c.pins for s in w.running + w.prefilling for h in s.pinned)
+
+        w._step = run  # type: ignore[method-assign]
+
+    for w in sim.decoders:
+        checked(w)
+    res = sim.run()
+    assert res.summary["finished"] == 120 and res.summary["unfinished"] == 0
+    assert res.summary["cache_hit_ratio"] > 0
+    for w in sim.decoders:  # drained: every block and pin was given back
+        assert w.cache.used == 0 and not w.cache.pins and len(w.cache.lru) <= w.cache.total
+        assert w.cache.evicted > 0  # the pool was small enough to evict
+
+
 # --- whole runs --------------------------------------------------------------------------------------------------
 def test_one_direct_request_has_the_model_latencies() -> None:
     r = SimRequest("r0", 0.0, 100, 5)
