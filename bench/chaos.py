@@ -276,7 +276,8 @@ def _summarise(out: dict[str, Outcome], tap: Tap, reference: list[list[int]]) ->
             o.error = tap.errors[rid]
     failed = Counter(o.error for rid, o in out.items() if o.accepted and not o.completed and o.error)
     lost = [rid for rid in accepted if not out[rid].completed and not out[rid].error]
-    dup = [rid for rid in accepted if tap.terminals[rid] > 1 or any(n > 1 for n in tap.seqs.get(rid, {}).values())]
+    terminals = tap.terminals  # (built once: a property over every request)
+    dup = [rid for rid in accepted if terminals[rid] > 1 or any(n > 1 for n in tap.seqs.get(rid, {}).values())]
     mismatch = [rid for rid in accepted if out[rid].completed and out[rid].tokens != reference[out[rid].prompt]]
     return {"accepted": len(accepted), "completed": sum(out[r].completed for r in accepted),
             "failed_by_code": dict(failed), "lost": len(lost), "duplicated": len(dup), "mismatched": len(mismatch),
