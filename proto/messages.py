@@ -45,6 +45,7 @@ __all__ = [
     "KvReserveRequest",
     "Message",
     "PrefillDone",
+    "PrefillDoneAck",
     "PrefillJob",
     "QueueReport",
     "QueueReportRequest",
@@ -397,6 +398,17 @@ class PrefillDone(Message):
     # returned for the decoder's engine (remote engine id, block ids, host, port...). None with the hf engine.
     kv_transfer_params: dict[str, Any] | None = None
     first_logprob: TokenLogprob | None = None  # the first token's, when the request asked for logprobs
+
+
+class PrefillDoneAck(Message):
+    """Decoder -> prefiller, the reply to a PrefillDone: the decoder has taken the hand-off (added in v1). The
+    prefiller sends PrefillDone as a request and again while unanswered: one lost in flight (a NATS node died
+    with it) left the request with nobody to run it, its KV reservation holding it for the whole lease. The
+    decoder takes each transfer once; a repeat is answered and dropped."""
+
+    kind: Literal["prefill_done_ack"] = "prefill_done_ack"
+    request_id: str
+    transfer_id: str
 
 
 # ---------------------------------------------------------------------------------------------- stream

@@ -9,7 +9,8 @@ Layout (``ss`` is the product prefix; ``{tenant}`` and ``{worker}`` are single t
   ss.prefill.{worker}.job         router -> prefiller: PrefillJob
   ss.decode.{worker}.job          router -> decoder: DecodeJob (direct path, decoder prefills locally)
   ss.decode.{worker}.reserve      prefiller -> decoder, request/reply: KvReserveRequest -> KvReserveReply
-  ss.decode.{worker}.kvready      prefiller -> decoder: PrefillDone (KV landed; carries the decode job)
+  ss.decode.{worker}.kvready      prefiller -> decoder, request/reply: PrefillDone -> PrefillDoneAck (KV landed;
+                                  carries the decode job; sent again while unanswered, taken once per transfer)
   ss.decode.{worker}.revoke       router -> decoder, request/reply: RevokeJob -> RevokeReply (the request
                                   moved elsewhere: drop this attempt silently)
   ss.evt.bounced.{tenant}.{req}   prefiller -> routers: JobBounced (the KV hand-off failed; dispatch again)

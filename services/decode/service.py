@@ -51,6 +51,7 @@ from proto import (
     now_ms,
 )
 from services.common.engine_thread import EngineThread
+from services.common.handoff import Handoffs
 from services.common.kvcache import KvEventPublisher, kv_layout
 from services.common.options import EngineOptions
 from services.common.sampling import engine_sampling, wire_logprob
@@ -145,6 +146,7 @@ class DecodeService(Service):
         self.pending: deque[Admission] = deque()
         self.active: dict[str, Sequence] = {}
         self.reservations: dict[str, Reservation] = {}
+        self.handoffs = Handoffs()  # PrefillDone: answered at once, each transfer taken once
         # Recently cancelled requests (``proto.request_key``: a cancel names its tenant's request only),
         # insertion-ordered, bounded.
         self.cancelled: dict[str, None] = {}
@@ -358,6 +360,8 @@ class DecodeService(Service):
             usage=usage, route=job.route))
 
     async def on_kv_ready(self, done: PrefillDone, msg: Msg) -> None:
+        if not await self.handoffs.take(self.b, done, msg):
+            return  # a repeat of a hand-off taken already (the prefiller did not hear the answer)
         res = self.reservations.pop(done.kv.transfer_id, None)
         if self._is_revoked(done.decode):
             if res is not None:

@@ -126,6 +126,8 @@ class VllmDecodeService(DecodeService):
             error=f"decoder {self.worker_id} runs vLLM: its KV connector moves KV (no splitserve transport)"))
 
     async def on_kv_ready(self, done: PrefillDone, msg: Msg) -> None:
+        if not await self.handoffs.take(self.b, done, msg):
+            return  # a repeat of a hand-off taken already (the prefiller did not hear the answer)
         params = getattr(done, "kv_transfer_params", None)
         if done.decode.resume_token_ids:
             await self._error(done.decode, ErrorCode.WORKER_DIED, f"decoder {self.worker_id} (vLLM) cannot resume "
