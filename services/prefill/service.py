@@ -51,8 +51,8 @@ from proto import (
     WorkerLoad,
     now_ms,
 )
+from services.common import handoff
 from services.common.engine_thread import EngineThread
-from services.common.handoff import hand_over
 from services.common.kvcache import KvEventPublisher, kv_layout
 from services.common.options import EngineOptions
 from services.common.sampling import engine_sampling, wire_logprob
@@ -491,8 +491,9 @@ class PrefillService(Service):
                         started_ms=started_ms),
             decode=job, first_logprob=wire_logprob(self.engine, res.first_logprobs),
         )
-        # delivered until the decoder answers, off this job's path (services.common.handoff)
-        self.b.spawn(hand_over(self.b, Subjects.kv_ready(job.decoder_id), done, self.log))
+        # delivered until the decoder answers (services.common.handoff): awaited here, so a draining prefiller
+        # finishes its hand-offs before it exits (one round trip; a lost copy costs ACK_TIMEOUT_S)
+        await handoff.hand_over(self.b, Subjects.kv_ready(job.decoder_id), done, self.log)
         if self.kv_events is not None:
             await self.kv_events.flush()
         self.log.info("prefilled", request_id=job.request_id, tokens=len(ids), prefill_ms=round(prefill_ms, 1),

@@ -24,7 +24,7 @@ from proto import (
     WorkerLoad,
     now_ms,
 )
-from services.common.handoff import hand_over
+from services.common import handoff
 from services.common.options import EngineOptions
 from services.common.sampling import engine_sampling, wire_logprob
 from services.common.vllm_kv import VllmKvBridge
@@ -157,7 +157,8 @@ class VllmPrefillService(PrefillService):
                         transport=f"vllm-{self.vopts.kv_connector}", prefill_ms=prefill_ms, transfer_ms=0.0,
                         started_ms=started_ms),
             decode=job, kv_transfer_params=params or {}, first_logprob=wire_logprob(self.engine, first_lp))
-        # delivered until the decoder answers, off this job's path (services.common.handoff)
-        self.b.spawn(hand_over(self.b, Subjects.kv_ready(job.decoder_id), done, self.log))
+        # delivered until the decoder answers (services.common.handoff): awaited here, so a draining prefiller
+        # finishes its hand-offs before it exits (one round trip; a lost copy costs ACK_TIMEOUT_S)
+        await handoff.hand_over(self.b, Subjects.kv_ready(job.decoder_id), done, self.log)
         self.log.info("prefilled", request_id=job.request_id, tokens=len(ids), cached_tokens=cached,
                       prefill_ms=round(prefill_ms, 1), decoder=job.decoder_id, engine="vllm")
