@@ -52,3 +52,32 @@ def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
     cluster = start_nats_cluster(tmp_path / "nats-cluster", 3, log_dir=tmp_path / "nats-logs")
     yield cluster
     cluster.stop()
+
+
+# The heaviest test files (seconds of wall time in a CI run, summed per file), run first: the slow tier's files
+# go to the xdist workers in collection order, and alphabetical order put the vLLM and queue-service files last,
+# so the run ended on one or two long files while the other workers sat idle.
+HEAVY_FIRST = (
+    "tests/sched/test_queue_service.py",
+    "tests/e2e/test_wheel.py",
+    "tests/integration/test_migration.py",
+    "tests/vllm/test_vllm_stack.py",
+    "tests/vllm/test_vllm_engine.py",
+    "tests/engines/test_hf_real.py",
+    "tests/integration/test_rolling_restart.py",
+    "tests/deploy/test_k8s_local.py",
+    "tests/integration/test_nats_cluster.py",
+    "tests/frontend/test_frontdoor_restart.py",
+    "tests/sched/test_routers.py",
+    "tests/e2e/test_interference.py",
+    "tests/integration/test_restart_fresh_clients.py",
+    "tests/e2e/test_ecosystem_stack.py",
+    "tests/e2e/test_stack.py",
+    "tests/integration/test_chaos.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
+    # stable: a file's tests stay together and in order (module fixtures start one stack per file)
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
