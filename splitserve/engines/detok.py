@@ -124,7 +124,7 @@ class StopChecker:
         if int(token_id) in self.eos_ids:
             return self._finish("stop", self.pending)
         buffer = self.pending + text
-        match = min(((buffer.find(s), s) for s in self.stop_strings if s in buffer), default=None, key=lambda m: m[0])
+        match = self._first_stop(buffer)
         if match is not None:
             index, stop = match
             return self._finish("stop", buffer[:index], stop)
@@ -143,11 +143,14 @@ class StopChecker:
             return None
         if int(last_token) in self.eos_ids:
             return self._finish("stop", self.pending)
-        match = min(((self.pending.find(s), s) for s in self.stop_strings if s in self.pending), default=None,
-                    key=lambda m: m[0])
+        match = self._first_stop(self.pending)
         if match is not None:
             return self._finish("stop", self.pending[: match[0]], match[1])
         return None
+
+    def _first_stop(self, text: str) -> tuple[int, str] | None:
+        """Where the earliest stop string in ``text`` starts, and which one."""
+        return min(((text.find(s), s) for s in self.stop_strings if s in text), default=None, key=lambda m: m[0])
 
     def finish(self, reason: str) -> StopUpdate:
         """Finish for an outside reason (e.g. "length" at the model's context limit, or "abort"):
