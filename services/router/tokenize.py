@@ -17,17 +17,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 class PromptTokenizer:
     def __init__(self, model: str | None) -> None:
-        from transformers import AutoTokenizer
-
         from splitserve.engines.hf_export import tokenizer_folder
         from splitserve.engines.model_files import resolve_model
+        from splitserve.engines.tokenizer_load import load_tokenizer
 
         ref = resolve_model(model)
         files = tokenizer_folder(ref)  # a GGUF's tokenizer from its converted folder: 0.6 s, not 4 s
-        if files.gguf_file is not None:
-            self.tok = AutoTokenizer.from_pretrained(str(files.directory), gguf_file=files.gguf_file)
-        else:
-            self.tok = AutoTokenizer.from_pretrained(str(Path(files.directory)))
+        self.tok = load_tokenizer(Path(files.directory), files.gguf_file)
         self.name = ref.name
         # The Rust tokenizer behind a fast tokenizer: ``tok.encode`` ends in its ``encode``, under about as much
         # again of transformers' Python wrapping (and a chat template tokenized by transformers pays that on

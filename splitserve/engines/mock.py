@@ -85,12 +85,9 @@ def _knob(value: float | None, env: str, default: float) -> float:
 def _load_tokenizer(directory: Path, gguf_file: str | None) -> Any:
     # Tokenizer only, never weights: the same files the router tokenizes with, so ids agree. Cached because
     # tests and benchmarks build several engines in one process and the GGUF tokenizer takes seconds.
-    from transformers import AutoTokenizer
+    from splitserve.engines.tokenizer_load import load_tokenizer
 
-    kwargs: dict[str, Any] = {"local_files_only": True}
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
-    return AutoTokenizer.from_pretrained(directory, **kwargs)
+    return load_tokenizer(directory, gguf_file or None, local_files_only=True)
 
 
 def ordinary_token_range(tokenizer: Any, exclude: Sequence[int] = ()) -> range:

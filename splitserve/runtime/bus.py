@@ -264,6 +264,7 @@ class Bus:
         """Publish until JetStream confirms it stored the message (same Nats-Msg-Id on every attempt)."""
         from nats.errors import NoRespondersError
         from nats.errors import TimeoutError as NatsTimeout
+        from nats.js.errors import NoStreamResponseError
 
         js = self.nc.jetstream()
         started = time.monotonic()
@@ -278,8 +279,10 @@ class Bus:
                         log.info("terminal_stored_after_retry", subject=subject, attempts=attempt,
                                  waited_s=round(time.monotonic() - started, 2))
                     return
-                except NoRespondersError:
+                except (NoRespondersError, NoStreamResponseError):
                     # No stream captures it (no router made SS_RESULTS / SS_USAGE yet): delivered live only.
+                    # (nats-py's JetStream publish reports "no responders" as NoStreamResponseError: caught
+                    # only as the generic error below, it was retried for give_up_s, and a closing bus waited.)
                     return
                 except (NatsTimeout, TimeoutError, Exception) as exc:  # an election, a dead node, reconnecting
                     if time.monotonic() - started > give_up_s:

@@ -28,6 +28,10 @@ from tests.procs import spawn_service, stop, wait_ready
 
 pytestmark = pytest.mark.slow
 
+# Steady, not saturating: each client pauses this long between its requests. Back to back, the eight clients
+# kept both cores busy for the whole test (~110 CPU-seconds) and slowed every test running beside it in CI.
+PAUSE_S = 0.3
+
 DRAIN_S = "3"
 PROMPTS = [f"request number {i} about the weather in town {i}" for i in range(6)]
 
@@ -90,6 +94,7 @@ async def test_rolling_restart_under_load_no_client_errors(fresh_nats: NatsServe
                         counts["stream_ok"] += 1
                     except Exception as exc:
                         errors.append(f"stream {tenant}: {type(exc).__name__}: {exc}")
+                    await asyncio.sleep(PAUSE_S)
 
         async def submitter(tenant: str) -> None:
             async with Client(url, tenant=tenant, idle_timeout=60) as c:
@@ -107,6 +112,7 @@ async def test_rolling_restart_under_load_no_client_errors(fresh_nats: NatsServe
                         counts["async_ok"] += 1
                     except Exception as exc:
                         errors.append(f"async {tenant}: {type(exc).__name__}: {exc}")
+                    await asyncio.sleep(PAUSE_S)
 
         load = [asyncio.ensure_future(streamer(t, k)) for t in ("alpha", "beta") for k in range(3)]
         load += [asyncio.ensure_future(submitter(t)) for t in ("alpha", "gamma")]

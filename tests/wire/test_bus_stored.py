@@ -1,0 +1,62 @@
+"""The bus's stored terminals (``Bus.publish`` of a final or error): JetStream stores them when a stream
+captures their subject, and where none does (no router has made the results stream yet) they are delivered
+live only, at once: no retry loop, and a closing bus does not wait for them.
+
+nats-py reports a JetStream publish that no stream answers as ``NoStreamResponseError``, not as the
+``NoRespondersError`` the bus caught: every such terminal was retried for five minutes (``durable_retries``
+climbing), and ``Bus.close`` waited its full 10 s bound for them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+from nats.js.api import StreamConfig
+
+import proto
+from proto import StreamFinal, Subjects
+from splitserve.natsserver import NatsServer
+from splitserve.runtime.bus import Bus
+
+
+def _final(rid: str) -> StreamFinal:
+    return StreamFinal(request_id=rid, seq=1, token_ids=[1], text="x", finish_reason="stop",
+                       usage=proto.Usage(prompt_tokens=1, completion_tokens=1), route=proto.Route.DIRECT,
+                       prefill_worker=None, decode_worker="decode-t")
+
+
+async def test_a_terminal_no_stream_captures_is_live_only_and_close_does_not_wait(fresh_nats: NatsServer) -> None:
+    watcher = await nats.connect(fresh_nats.url)
+    got = await watcher.subscribe(Subjects.stream("acme", "r1"))
+    await watcher.flush()
+    bus = await Bus.connect(fresh_nats.url, "stored-t")
+    try:
+        # live on the stream subject; its stored copy goes to ss.result.acme.r1, which nothing captures
+        await bus.publish(Subjects.stream("acme", "r1"), _final("r1"))
+        msg = await got.next_msg(timeout=5)  # delivered live
+        assert proto.decode_stream(msg.data).request_id == "r1"
+        await asyncio.sleep(0.5)
+        assert bus.durable_retries == 0 and not bus.unconfirmed
+    finally:
+        t0 = time.monotonic()
+        await bus.close()
+        closed_s = time.monotonic() - t0
+        await watcher.close()
+    assert closed_s < 5.0, f"close waited {closed_s:.1f}s for terminals no stream stores"
+
+
+async def test_a_terminal_a_stream_captures_is_stored(fresh_nats: NatsServer) -> None:
+    nc = await nats.connect(fresh_nats.url)
+    js = nc.jetstream()
+    await js.add_stream(StreamConfig(name=Subjects.RESULTS_STREAM, subjects=[Subjects.RESULTS_ALL]))
+    bus = await Bus.connect(fresh_nats.url, "stored-t")
+    try:
+        await bus.publish(Subjects.result("acme", "r2"), _final("r2"))
+        await bus.flush_stored(timeout=5)
+        assert not bus.unconfirmed
+        raw = await js.get_last_msg(Subjects.RESULTS_STREAM, Subjects.result("acme", "r2"))
+        assert proto.decode_stream(raw.data or b"").request_id == "r2"
+    finally:
+        await bus.close()
+        await nc.close()
