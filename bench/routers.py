@@ -98,7 +98,7 @@ def main() -> None:
     nats = start_nats(work / "nats")
     url = nats.url
     dec_ids = [f"decode-b{i}" for i in range(a.decoders)]
-    decoders = [spawn_service("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch",
+    decoders = [spawn_service("splitserve.services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch",
                               str(a.max_batch), nats_url=url, worker_id=w, log_dir=work / "logs", env=env)
                 for w in dec_ids]
     results: dict[str, Any] = {"config": vars(a), "machine": f"{os.cpu_count()} cpus", "runs": {}}
@@ -107,7 +107,8 @@ def main() -> None:
         for n in counts:
             ids = [f"router-n{n}-{i}" for i in range(n)]
             routers: list[subprocess.Popen[bytes]] = [
-                spawn_service("services.router", "--disagg-threshold", "1000000000", "--strategy", "roundrobin",
+                spawn_service("splitserve.services.router", "--disagg-threshold", "1000000000", "--strategy",
+                              "roundrobin",
                               *tenants_args, nats_url=url, worker_id=w, log_dir=work / "logs", env=env)
                 for w in ids]
             try:

@@ -31,7 +31,8 @@ from splitserve.sim.latency import StepFit, latency_model, measure_hf
 
 
 def sim_config(fit: StepFit, bus_delay_s: float) -> SimConfig:
-    # The live stack's defaults (splitserve up / services.decode): roundrobin, threshold 512, stall rule 100 ms
+    # The live stack's defaults (splitserve up / splitserve.services.decode): roundrobin, threshold 512, stall rule
+    # 100 ms
     # at 400 tok/s, decoders of 16 sequences prefilling locally in 256-token chunks between decode steps.
     return SimConfig(prefill=1, decode=1, model="smollm2-135m", prefill_latency=fit, fabric="local",
                      gpus_per_prefill=1, gpus_per_decode=1, kv_tokens=65536, max_seqs=16, decode_token_budget=256 + 16,

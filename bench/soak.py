@@ -28,7 +28,7 @@ import nats
 import psutil
 
 from bench import chaos
-from proto import Subjects
+from splitserve.proto import Subjects
 from splitserve.stackproc import wait_ready
 
 

@@ -5,9 +5,9 @@ Each message is a versioned pydantic v2 model (``proto.messages``); the subject 
 knows the byte format. Nothing in the product publishes an ad-hoc dict.
 """
 
-from proto.admin import *  # noqa: F403
-from proto.admin import __all__ as _admin_all
-from proto.codec import (
+from splitserve.proto.admin import *  # noqa: F403
+from splitserve.proto.admin import __all__ as _admin_all
+from splitserve.proto.codec import (
     HEADER_KIND,
     HEADER_VERSION,
     ProtocolError,
@@ -16,9 +16,9 @@ from proto.codec import (
     encode,
     headers_for,
 )
-from proto.messages import *  # noqa: F403
-from proto.messages import __all__ as _messages_all
-from proto.subjects import Subjects, reply_subjects, request_key, subject_identity
+from splitserve.proto.messages import *  # noqa: F403
+from splitserve.proto.messages import __all__ as _messages_all
+from splitserve.proto.subjects import Subjects, reply_subjects, request_key, subject_identity
 
 __all__ = [
     "HEADER_KIND",

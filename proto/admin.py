@@ -13,9 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from proto.messages import ChatMessage, Message, now_ms
-from proto.subjects import check_token
-from proto.tokens import TokenIds
+from splitserve.proto.messages import ChatMessage, Message, now_ms
+from splitserve.proto.subjects import check_token
+from splitserve.proto.tokens import TokenIds
 
 __all__ = ["ExplainWorker", "RouteExplainReply", "RouteExplainRequest", "StrategyExplanation"]
 

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from proto.messages import PROTO_VERSION, ErrorCode, StreamMessage
+from splitserve.proto.messages import PROTO_VERSION, ErrorCode, StreamMessage
 
 HEADER_KIND = "Ss-Kind"
 HEADER_VERSION = "Ss-V"

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from proto.subjects import check_token, reply_subjects, request_key
-from proto.tokens import TokenIds
+from splitserve.proto.subjects import check_token, reply_subjects, request_key
+from splitserve.proto.tokens import TokenIds
 
 PROTO_VERSION = 1
 

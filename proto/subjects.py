@@ -160,6 +160,18 @@ class Subjects:
     def queue(tenant: str, klass: int) -> str:
         return f"ss.q.{check_token(tenant, 'tenant')}.p{int(klass)}"
 
+    # A tenant's queue has one lane per priority class, each drained through one durable consumer that every
+    # router shares; `splitserve k8s lanes` makes them ahead of the routers and KEDA's scaler reads them by name.
+    QUEUE_CLASSES = 3  # priority 0-3 -> p0, 4-7 -> p1, 8-9 -> p2
+
+    @staticmethod
+    def priority_class(priority: int) -> int:
+        return min(Subjects.QUEUE_CLASSES - 1, max(0, priority) // 4)
+
+    @staticmethod
+    def queue_consumer(tenant: str, klass: int) -> str:
+        return f"dispatch_{check_token(tenant, 'tenant')}_p{int(klass)}"
+
     QUEUE_ALL = "ss.q.>"
     QUEUE_STREAM = "SS_QUEUE"  # the durable per-tenant work queue between intake and dispatch
     ADMIN_QUEUES = "ss.admin.queues"

@@ -333,7 +333,7 @@ def top(
     from rich.console import Console
     from rich.live import Live
 
-    import proto
+    from splitserve import proto
     from splitserve.obs.metrics import ClusterMetrics
 
     url = discovery.resolve_nats_url(nats_url)
@@ -528,44 +528,54 @@ def _duration_s(text: str) -> float | None:
 _PASS = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 
+def _bench(module: str) -> Any:
+    """``bench.<module>``'s ``main``. The benchmarks are not in the wheel (they run beside the repo's data and
+    test helpers): from a source checkout (an editable install) they are found next to the package."""
+    import importlib
+
+    name = f"bench.{module}"
+    try:
+        return importlib.import_module(name).main
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("bench", name):
+            raise
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench" / f"{module}.py").is_file():
+        typer.echo("error: the benchmarks run from a source checkout of splitserve (bench/ is not installed "
+                   f"with the package): in the checkout, `python -m {name}`", err=True)
+        raise typer.Exit(2)
+    sys.path.insert(0, str(root))
+    return importlib.import_module(name).main
+
+
 @bench_app.command("index", context_settings=_PASS)
 def bench_index(ctx: typer.Context) -> None:
     """Cache-index ops/s on a Mooncake trace beside a naive baseline (``--help`` for options)."""
-    from bench.index_bench import main as run
-
-    run(list(ctx.args))
+    _bench("index_bench")(list(ctx.args))
 
 
 @bench_app.command("route", context_settings=_PASS)
 def bench_route(ctx: typer.Context) -> None:
     """Routing decisions/s and latency per strategy (``--help`` for options)."""
-    from bench.route_bench import main as run
-
-    run(list(ctx.args))
+    _bench("route_bench")(list(ctx.args))
 
 
 @bench_app.command("e2e", context_settings=_PASS)
 def bench_e2e(ctx: typer.Context) -> None:
     """TTFT/ITL on both paths, control-plane overhead, KV push bandwidth (starts its own stack)."""
-    from bench.e2e import main as run
-
-    run(list(ctx.args))
+    _bench("e2e")(list(ctx.args))
 
 
 @bench_app.command("engine-batching", context_settings=_PASS)
 def bench_engine_batching(ctx: typer.Context) -> None:
     """hf engine: N short prompts prefilled in one forward vs one at a time; decode tok/s, 8 streams vs 1."""
-    from bench.engine_batching import main as run
-
-    run(list(ctx.args))
+    _bench("engine_batching")(list(ctx.args))
 
 
 @bench_app.command("kvaware", context_settings=_PASS)
 def bench_kvaware(ctx: typer.Context) -> None:
     """A repeated long prompt under kvaware vs roundrobin with 2 decoders (starts its own stacks)."""
-    from bench.kvaware import main as run
-
-    run(list(ctx.args))
+    _bench("kvaware")(list(ctx.args))
 
 
 

@@ -27,8 +27,10 @@ from nats.js.errors import NotFoundError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-import proto
-from proto import (
+from splitserve import errors, proto
+from splitserve.discovery import resolve_nats_url
+from splitserve.obs import tracing
+from splitserve.proto import (
     Accepted,
     CancelRequest,
     ChatMessage,
@@ -39,9 +41,6 @@ from proto import (
     StreamError,
     StreamFinal,
 )
-from splitserve import errors
-from splitserve.discovery import resolve_nats_url
-from splitserve.obs import tracing
 from splitserve.runtime.bus import Bus, NotAuthorized, PermissionDenied
 from splitserve.runtime.bus import PayloadTooLarge as _BusPayloadTooLarge
 from splitserve.tenancy import natsauth

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proto import ErrorCode, StreamError
+from splitserve.proto import ErrorCode, StreamError
 
 
 class SplitserveError(Exception):

@@ -34,7 +34,7 @@ from typing import Any
 import typer
 import yaml
 
-from proto.subjects import Subjects
+from splitserve.proto.subjects import Subjects
 from splitserve.tenancy import natsauth
 from splitserve.tenancy.config import TenantsConfig, load_tenants
 from splitserve.tenancy.natsauth import StackAuth
@@ -166,10 +166,11 @@ def dump_yaml(docs: Sequence[dict[str, Any]], header: str = "") -> str:
 
 def queue_consumers(tenants: TenantsConfig) -> list[tuple[str, int, str]]:
     """(tenant, class, durable consumer name) of every lane of the request queue, in a stable order."""
-    # The router's own naming (a private helper of its work queue): importing it keeps the two in step.
-    from services.router.workqueue import NUM_CLASSES, _consumer_name
+    # The contract's naming, which the routers' work queue uses too.
+    from splitserve.proto import Subjects
 
-    return [(t, k, _consumer_name(t, k)) for t in sorted(tenants.tenants) for k in range(NUM_CLASSES)]
+    return [(t, k, Subjects.queue_consumer(t, k)) for t in sorted(tenants.tenants)
+            for k in range(Subjects.QUEUE_CLASSES)]
 
 
 def _dedup(metric: str, role: str, matcher: str) -> str:
@@ -319,8 +320,8 @@ async def ensure_lanes(nats_url: str, tenants: TenantsConfig, *, ack_wait_s: flo
                        echo: Callable[[str], None] = print) -> list[str]:
     """Create (or confirm) the request queue's streams and every tenant's consumers, with the routers' own
     code and settings; retries until ``wait_s`` while NATS or its JetStream cluster is still coming up."""
-    from services.router.workqueue import NUM_CLASSES, WorkQueue
     from splitserve.runtime.bus import Bus, NotAuthorized
+    from splitserve.runtime.workqueue import NUM_CLASSES, WorkQueue
 
     deadline = time.monotonic() + wait_s
     while True:

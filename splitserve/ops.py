@@ -17,8 +17,8 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-import proto
-from proto import (
+from splitserve import errors, proto
+from splitserve.proto import (
     QueueReport,
     QueueReportRequest,
     RequestFinished,
@@ -27,7 +27,6 @@ from proto import (
     StreamError,
     Subjects,
 )
-from splitserve import errors
 
 
 async def queue_report(nc: NATS, timeout: float = 5.0) -> QueueReport:

@@ -28,12 +28,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
-from proto import Heartbeat, Subjects
 from splitserve import discovery
 from splitserve.cpus import parse_cpus
 from splitserve.listener import bind_listener
 from splitserve.natsserver import NatsCluster, NatsServer, child_preexec, free_port, start_nats, start_nats_cluster
 from splitserve.obs.log import QUIET_ENV, private_dir, private_opener
+from splitserve.proto import Heartbeat, Subjects
 from splitserve.runtime.bus import Bus
 from splitserve.runtime.jetstream import CLUSTER_REPLICAS, ENV_REPLICAS
 from splitserve.tenancy import consolekey, natsauth
@@ -168,27 +168,29 @@ class Stack:
         # Colocated: there is nowhere else to send a prompt, so no stall limit (decoders chunk instead).
         router_extra = ["--max-stall-ms", "0" if c.colocated else str(c.max_stall_ms),
                         "--long-prompt-tokens", str(c.long_prompt_tokens), "--max-migrations", str(c.max_migrations)]
-        out = [Child(f"router-{i}", "router", py + ["services.router", "--worker-id", f"router-{i}", "--strategy",
+        out = [Child(f"router-{i}", "router", py + ["splitserve.services.router", "--worker-id", f"router-{i}",
+                                                    "--strategy",
                                                     c.strategy, "--disagg-threshold",
                                                     str(10**9 if c.colocated else c.disagg_threshold), *router_extra,
                                                     *(["--model", c.model] if c.model else []), *tenants,
                                                     *common],
                      self.logs / f"router-{i}.log") for i in range(max(1, c.routers))]
-        out += [Child("cache-index-0", "cache_index", py + ["services.cache_index", "--worker-id", "cache-index-0",
+        out += [Child("cache-index-0", "cache_index", py + ["splitserve.services.cache_index", "--worker-id",
+                                                            "cache-index-0",
                                                            *common], self.logs / "cache-index-0.log")]
         for i in range(c.prefill):
             name = f"prefill-{i}"
-            out.append(Child(name, "prefill", py + ["services.prefill", "--worker-id", name,
+            out.append(Child(name, "prefill", py + ["splitserve.services.prefill", "--worker-id", name,
                                                     *worker_args("prefill", i), *common],
                              self.logs / f"{name}.log"))
         for i in range(c.decode):
             name = f"decode-{i}"
-            out.append(Child(name, "decode", py + ["services.decode", "--worker-id", name,
+            out.append(Child(name, "decode", py + ["splitserve.services.decode", "--worker-id", name,
                                                    *worker_args("decode", i), *common],
                              self.logs / f"{name}.log"))
         for i in range(c.long_decode):
             name = f"decode-long-{i}"
-            out.append(Child(name, "decode", py + ["services.decode", "--worker-id", name, "--pool", "long",
+            out.append(Child(name, "decode", py + ["splitserve.services.decode", "--worker-id", name, "--pool", "long",
                                                    *worker_args("long", i), *common],
                              self.logs / f"{name}.log"))
         # The API's socket is bound here, once, and held by this process: every front door accepts from it (one
@@ -208,7 +210,8 @@ class Stack:
             # each its own metrics port (its http_* series are its own), fixed here: a restart keeps it
             metrics_port = free_port(host="127.0.0.1")
             self.metrics_urls.append(f"http://127.0.0.1:{metrics_port}/metrics")
-            out.append(Child(name, "frontend", py + ["services.frontend", "--worker-id", name, "--host", c.http_host,
+            out.append(Child(name, "frontend", py + ["splitserve.services.frontend", "--worker-id", name, "--host",
+                                                     c.http_host,
                                                      "--port", str(port), "--listen-fd", str(fd), *tenants,
                                                      "--metrics-port", str(metrics_port), *common],
                              self.logs / f"{name}.log", pass_fds=(fd,)))
@@ -358,7 +361,7 @@ class Stack:
             discovery.clear_stack(os.getpid())
 
     async def _on_hb(self, raw: object) -> None:
-        import proto
+        from splitserve import proto
 
         try:
             hb = proto.decode(raw.data, Heartbeat)  # type: ignore[attr-defined]

@@ -1,5 +1,5 @@
 """Run ``splitserve up`` as a real subprocess (the same command a user runs) and wait until it is up; or run
-single services (``python -m services.<name>``) and wait for their ready heartbeats.
+single services (``python -m splitserve.services.<name>``) and wait for their ready heartbeats.
 
 Used by the end-to-end tests and the benchmarks, which must measure the product as users start it."""
 
@@ -17,13 +17,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import proto
+from splitserve import proto
 from splitserve.obs.log import private_dir, private_opener
 
 
 def spawn_service(module: str, *args: str, nats_url: str, worker_id: str, log_dir: Path,
                   env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """One service process (``module`` e.g. "services.router"), its output appended to log_dir/<id>.log."""
+    """One service process (``module`` e.g. "splitserve.services.router"), its output appended to log_dir/<id>.log."""
     private_dir(log_dir)  # logs are owner-only (0700 directory, 0600 files): see splitserve.obs.log
     out = open(log_dir / f"{worker_id}.log", "ab", opener=private_opener)  # noqa: SIM115 - handed to the child
     env = dict(env if env is not None else os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")

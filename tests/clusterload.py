@@ -23,11 +23,10 @@ from typing import Any
 
 import nats
 
-import proto
-from proto import StreamError, StreamFinal
-from splitserve import errors
+from splitserve import errors, proto
 from splitserve.client import Client
 from splitserve.discovery import server_list
+from splitserve.proto import StreamError, StreamFinal
 
 
 @dataclass

@@ -9,10 +9,9 @@ import time
 
 import nats
 
-import proto
-from proto import Heartbeat, Subjects
-from splitserve import errors
+from splitserve import errors, proto
 from splitserve.client import Client, Result
+from splitserve.proto import Heartbeat, Subjects
 from splitserve.stackproc import spawn_service, wait_ready
 
 __all__ = ["spawn_service", "wait_ready"]

@@ -1,11 +1,11 @@
-"""``python -m services.cache_index``: run the cache-index service."""
+"""``python -m splitserve.services.cache_index``: run the cache-index service."""
 
 from __future__ import annotations
 
 import typer
 
-from services.common import cli
 from splitserve.runtime.service import run_service
+from splitserve.services.common import cli
 
 app = typer.Typer(add_completion=False)
 
@@ -18,7 +18,7 @@ def main(
     log_level: str = cli.LogLevel,
     drain_timeout_s: float = cli.DrainTimeout,
 ) -> None:
-    from services.cache_index.service import CacheIndexService
+    from splitserve.services.cache_index.service import CacheIndexService
 
     run_service(CacheIndexService(worker_id, nats_url, snapshot_interval_s=snapshot_interval_s, log_level=log_level,
                                   drain_timeout_s=drain_timeout_s))

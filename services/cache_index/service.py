@@ -21,14 +21,14 @@ from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy, ObjectStoreConfig, StreamConfig
 from nats.js.errors import NotFoundError, ObjectNotFoundError
 
-import proto
-from proto import CacheQuery, CacheQueryReply, Heartbeat, KvEventBatch, Subjects, WorkerLoad
-from services.common.resync import resync_index
+from splitserve import proto
 from splitserve.cache import events as cache_events
 from splitserve.cache.index import PrefixIndex
+from splitserve.proto import CacheQuery, CacheQueryReply, Heartbeat, KvEventBatch, Subjects, WorkerLoad
 from splitserve.runtime.jetstream import ensure_replicas, ensure_stream, replicas_for
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
+from splitserve.services.common.resync import resync_index
 
 STREAM = "SS_KV_EVENTS"
 BUCKET = "ss-cache-index"

@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from proto import PrefillDone, PrefillDoneAck
+from splitserve.proto import PrefillDone, PrefillDoneAck
 from splitserve.runtime.bus import Bus
 
 # One try waits this long for the decoder's answer (it answers before doing anything else); the hand-off is

@@ -12,13 +12,13 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from proto import KvEventBatch, KvHeld, KvHeldRequest, Subjects
-from services.common.engine_thread import EngineThread
 from splitserve.cache.events import AllBlocksCleared
 from splitserve.cache.store import PrefixKvStore
 from splitserve.engines.base import ModelInfo
 from splitserve.kv import KvLayout
+from splitserve.proto import KvEventBatch, KvHeld, KvHeldRequest, Subjects
 from splitserve.runtime.bus import Bus
+from splitserve.services.common.engine_thread import EngineThread
 
 
 def kv_layout(info: ModelInfo, block_size: int) -> KvLayout:

@@ -1,4 +1,4 @@
-"""Command-line options shared by the worker entry points (``python -m services.prefill|decode``)."""
+"""Command-line options shared by the worker entry points (``python -m splitserve.services.prefill|decode``)."""
 
 from __future__ import annotations
 

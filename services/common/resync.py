@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from proto import KvHeld, KvHeldRequest, Subjects
 from splitserve.cache.index import PrefixIndex
+from splitserve.proto import KvHeld, KvHeldRequest, Subjects
 from splitserve.runtime.bus import Bus
 
 

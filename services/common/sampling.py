@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from proto import SamplingParams, TokenLogprob, TopLogprob
 from splitserve.engines.base import Sampling, TokenLogprobs
+from splitserve.proto import SamplingParams, TokenLogprob, TopLogprob
 
 
 def engine_sampling(p: SamplingParams, prompt_tokens: int, eos_ids: Sequence[int]) -> Sampling:

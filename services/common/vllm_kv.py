@@ -28,8 +28,8 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from proto import KvEventBatch, KvHeld, KvHeldRequest, Subjects
 from splitserve.cache.hashing import hash_token_blocks
+from splitserve.proto import KvEventBatch, KvHeld, KvHeldRequest, Subjects
 from splitserve.runtime.bus import Bus
 
 log = logging.getLogger(__name__)

@@ -7,10 +7,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from proto import WorkerLoad
-from services.common.options import EngineOptions
 from splitserve.cache.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.natsserver import free_port
+from splitserve.proto import WorkerLoad
+from splitserve.services.common.options import EngineOptions
 
 
 @dataclass(frozen=True)

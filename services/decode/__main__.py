@@ -1,12 +1,12 @@
-"""``python -m services.decode``: run one decode worker process."""
+"""``python -m splitserve.services.decode``: run one decode worker process."""
 
 from __future__ import annotations
 
 import typer
 
-from services.common import cli
-from services.common.options import EngineOptions, parse_cpus
 from splitserve.runtime.service import run_service
+from splitserve.services.common import cli
+from splitserve.services.common.options import EngineOptions, parse_cpus
 
 app = typer.Typer(add_completion=False)
 
@@ -44,8 +44,8 @@ def main(
     vllm_kv_events: bool = cli.VllmKvEvents,
     lmcache_config: str | None = cli.LmcacheConfig,
 ) -> None:
-    from services.decode.service import DecodeService
     from splitserve.routing.context import POOLS
+    from splitserve.services.decode.service import DecodeService
 
     if pool not in POOLS:
         raise typer.BadParameter(f"must be one of {', '.join(POOLS)}", param_hint="--pool")
@@ -53,8 +53,8 @@ def main(
     opts = EngineOptions(engine=engine, model=model, dtype=dtype, threads=threads, block_size=block_size,
                          transport=transport, cpus=parse_cpus(cpus))
     if engine == "vllm":
-        from services.common.vllm_worker import VllmOptions
-        from services.decode.vllm_service import VllmDecodeService
+        from splitserve.services.common.vllm_worker import VllmOptions
+        from splitserve.services.decode.vllm_service import VllmDecodeService
 
         vopts = VllmOptions(kv_connector=kv_connector, kv_backend=kv_backend, kv_events=vllm_kv_events,
                             max_model_len=vllm_max_model_len, engine_block_size=vllm_block_size,

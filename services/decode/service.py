@@ -30,7 +30,13 @@ import torch
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from proto import (
+from splitserve.cache.store import PrefixKvStore
+from splitserve.engines import KvSource, PrefillResult, PromptTooLong, Sampling, TokenLogprobs
+from splitserve.engines.detok import IncrementalDetokenizer, StopChecker
+from splitserve.kv import BlockPool, make_receiver
+from splitserve.kv.transport import usable_transport
+from splitserve.obs import tracing
+from splitserve.proto import (
     CancelRequest,
     DecodeJob,
     ErrorCode,
@@ -50,18 +56,12 @@ from proto import (
     WorkerLoad,
     now_ms,
 )
-from services.common.engine_thread import EngineThread
-from services.common.handoff import Handoffs
-from services.common.kvcache import KvEventPublisher, kv_layout
-from services.common.options import EngineOptions
-from services.common.sampling import engine_sampling, wire_logprob
-from splitserve.cache.store import PrefixKvStore
-from splitserve.engines import KvSource, PrefillResult, PromptTooLong, Sampling, TokenLogprobs
-from splitserve.engines.detok import IncrementalDetokenizer, StopChecker
-from splitserve.kv import BlockPool, make_receiver
-from splitserve.kv.transport import usable_transport
-from splitserve.obs import tracing
 from splitserve.runtime.service import Service
+from splitserve.services.common.engine_thread import EngineThread
+from splitserve.services.common.handoff import Handoffs
+from splitserve.services.common.kvcache import KvEventPublisher, kv_layout
+from splitserve.services.common.options import EngineOptions
+from splitserve.services.common.sampling import engine_sampling, wire_logprob
 
 # hand_over waits this long for the engine loop to finish the step it is in before cancelling it.
 HAND_OVER_STEP_S = 2.0

@@ -17,7 +17,11 @@ from typing import Any
 import structlog
 from nats.aio.msg import Msg
 
-from proto import (
+from splitserve.engines import PromptTooLong
+from splitserve.engines.detok import IncrementalDetokenizer, StopChecker
+from splitserve.engines.generate import GenRequest
+from splitserve.obs import tracing
+from splitserve.proto import (
     CancelRequest,
     DecodeJob,
     ErrorCode,
@@ -29,15 +33,11 @@ from proto import (
     WorkerLoad,
     now_ms,
 )
-from services.common.options import EngineOptions
-from services.common.sampling import engine_sampling
-from services.common.vllm_kv import VllmKvBridge
-from services.common.vllm_worker import VllmOptions, serve_vllm_metrics, vllm_config, vllm_load
-from services.decode.service import DecodeService, Sequence
-from splitserve.engines import PromptTooLong
-from splitserve.engines.detok import IncrementalDetokenizer, StopChecker
-from splitserve.engines.generate import GenRequest
-from splitserve.obs import tracing
+from splitserve.services.common.options import EngineOptions
+from splitserve.services.common.sampling import engine_sampling
+from splitserve.services.common.vllm_kv import VllmKvBridge
+from splitserve.services.common.vllm_worker import VllmOptions, serve_vllm_metrics, vllm_config, vllm_load
+from splitserve.services.decode.service import DecodeService, Sequence
 
 
 class VllmDecodeService(DecodeService):

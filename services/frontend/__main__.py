@@ -1,4 +1,4 @@
-"""``python -m services.frontend``: run one OpenAI-compatible HTTP front door against a NATS deployment."""
+"""``python -m splitserve.services.frontend``: run one OpenAI-compatible HTTP front door against a NATS deployment."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ from pathlib import Path
 
 import typer
 
-from services.common.cli import DrainTimeout, LogLevel, NatsUrl
-from services.frontend.app import MIN_API_KEY_CHARS, PER_KEY_CONCURRENCY
-from services.frontend.guard import HEADER_TIMEOUT_S
-from services.frontend.service import LIMIT_CONCURRENCY, METRICS_PORT
 from splitserve.runtime.service import run_service
+from splitserve.services.common.cli import DrainTimeout, LogLevel, NatsUrl
+from splitserve.services.frontend.app import MIN_API_KEY_CHARS, PER_KEY_CONCURRENCY
+from splitserve.services.frontend.guard import HEADER_TIMEOUT_S
+from splitserve.services.frontend.service import LIMIT_CONCURRENCY, METRICS_PORT
 
 app = typer.Typer(add_completion=False)
 
@@ -49,10 +49,10 @@ def main(
     log_level: str = LogLevel,
     drain_timeout_s: float = DrainTimeout,
 ) -> None:
-    from services.frontend.app import load_api_keys
-    from services.frontend.console import admin_keys_from_env, load_admin_keys
-    from services.frontend.service import FrontendService
     from splitserve.obs.log import register_secret
+    from splitserve.services.frontend.app import load_api_keys
+    from splitserve.services.frontend.console import admin_keys_from_env, load_admin_keys
+    from splitserve.services.frontend.service import FrontendService
     from splitserve.tenancy.config import load_tenants
 
     keys: dict[str, str] | None = None

@@ -43,14 +43,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from proto import ErrorCode
-from proto.subjects import check_token
-from services.frontend import openai_api as oa
 from splitserve import errors
 from splitserve.client import Delta, Result
 from splitserve.obs import tracing
 from splitserve.obs.log import get_logger
 from splitserve.obs.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from splitserve.proto import ErrorCode
+from splitserve.proto.subjects import check_token
+from splitserve.services.frontend import openai_api as oa
 
 log = get_logger("frontend.http")
 T = TypeVar("T")

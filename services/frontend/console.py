@@ -10,7 +10,7 @@ Who sees what (:class:`ConsoleAuth`):
   file's ``api_keys``) sees only its own tenant: its queue row, usage and requests. The cluster page and the
   routing explorer (which shows every worker's cache residency) are for admins only.
 
-The figures come from :mod:`services.frontend.console_data`, which reuses the operator commands' sources.
+The figures come from :mod:`splitserve.services.frontend.console_data`, which reuses the operator commands' sources.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from nats.errors import NoRespondersError
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
-from proto.subjects import check_token
-from services.frontend.app import AuthThrottle, bearer_key
-from services.frontend.console_data import ConsoleData
 from splitserve import errors
+from splitserve.proto.subjects import check_token
+from splitserve.services.frontend.app import AuthThrottle, bearer_key
+from splitserve.services.frontend.console_data import ConsoleData
 from splitserve.tenancy.consolekey import ADMIN_KEYS_ENV
 
 STATIC = Path(__file__).parent / "static" / "console"

@@ -24,11 +24,11 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from proto import ChatMessage, QueueReport, RouteExplainRequest
 from splitserve import ops
 from splitserve.obs import tracing, waterfall
 from splitserve.obs.log import get_logger
 from splitserve.obs.metrics import ClusterMetrics
+from splitserve.proto import ChatMessage, QueueReport, RouteExplainRequest
 from splitserve.tenancy.config import TenantsConfig
 
 log = get_logger("frontend.console")

@@ -20,9 +20,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from proto import ErrorCode, TokenLogprob
 from splitserve.client import Result
 from splitserve.errors import SplitserveError
+from splitserve.proto import ErrorCode, TokenLogprob
 
 # SamplingParams' own bound; decoders cap generation at the model's context anyway.
 MAX_TOKENS_CAP = 1_000_000

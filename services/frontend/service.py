@@ -24,21 +24,21 @@ from typing import Any
 import uvicorn
 from nats.aio.msg import Msg
 
-from proto import Heartbeat, RequestFinished, Subjects, WorkerLoad
-from services.frontend import console
-from services.frontend import openai_api as oa
-from services.frontend.app import PER_KEY_CONCURRENCY, Stream, create_app, create_metrics_app
-from services.frontend.console_data import ConsoleData
-from services.frontend.guard import HEADER_TIMEOUT_S, exposure_warning, guarded_httptools
 from splitserve import errors
 from splitserve.client import Client
 from splitserve.listener import bind_listener, inherited_listener
 from splitserve.obs.metrics import ClusterMetrics
+from splitserve.proto import Heartbeat, RequestFinished, Subjects, WorkerLoad
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
+from splitserve.services.frontend import console
+from splitserve.services.frontend import openai_api as oa
+from splitserve.services.frontend.app import PER_KEY_CONCURRENCY, Stream, create_app, create_metrics_app
+from splitserve.services.frontend.console_data import ConsoleData
+from splitserve.services.frontend.guard import HEADER_TIMEOUT_S, exposure_warning, guarded_httptools
 from splitserve.tenancy.config import TenantsConfig
 
-# The metrics port of `python -m services.frontend` (OpenTelemetry's Prometheus exporter's port).
+# The metrics port of `python -m splitserve.services.frontend` (OpenTelemetry's Prometheus exporter's port).
 METRICS_PORT = 9464
 # Connections (streams included) one front door serves at once; beyond it uvicorn answers 503 at once.
 LIMIT_CONCURRENCY = 1024

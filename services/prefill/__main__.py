@@ -1,12 +1,12 @@
-"""``python -m services.prefill``: run one prefill worker process."""
+"""``python -m splitserve.services.prefill``: run one prefill worker process."""
 
 from __future__ import annotations
 
 import typer
 
-from services.common import cli
-from services.common.options import EngineOptions, parse_cpus
 from splitserve.runtime.service import run_service
+from splitserve.services.common import cli
+from splitserve.services.common.options import EngineOptions, parse_cpus
 
 app = typer.Typer(add_completion=False)
 
@@ -39,13 +39,13 @@ def main(
     vllm_kv_events: bool = cli.VllmKvEvents,
     lmcache_config: str | None = cli.LmcacheConfig,
 ) -> None:
-    from services.prefill.service import PrefillService
+    from splitserve.services.prefill.service import PrefillService
 
     opts = EngineOptions(engine=engine, model=model, dtype=dtype, threads=threads, block_size=block_size,
                          transport=transport, cpus=parse_cpus(cpus))
     if engine == "vllm":
-        from services.common.vllm_worker import VllmOptions
-        from services.prefill.vllm_service import VllmPrefillService
+        from splitserve.services.common.vllm_worker import VllmOptions
+        from splitserve.services.prefill.vllm_service import VllmPrefillService
 
         vopts = VllmOptions(kv_connector=kv_connector, kv_backend=kv_backend, kv_events=vllm_kv_events,
                             max_model_len=vllm_max_model_len, engine_block_size=vllm_block_size,

@@ -33,7 +33,12 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from proto import (
+from splitserve.cache.store import PrefixKvStore
+from splitserve.engines import Engine, LayerHook, PrefillRequest, PrefillResult, PromptTooLong, Sampling
+from splitserve.kv import BlockPool, make_sender
+from splitserve.kv.transport import usable_transport
+from splitserve.obs import tracing
+from splitserve.proto import (
     CancelRequest,
     DecodeJob,
     ErrorCode,
@@ -51,17 +56,12 @@ from proto import (
     WorkerLoad,
     now_ms,
 )
-from services.common import handoff
-from services.common.engine_thread import EngineThread
-from services.common.kvcache import KvEventPublisher, kv_layout
-from services.common.options import EngineOptions
-from services.common.sampling import engine_sampling, wire_logprob
-from splitserve.cache.store import PrefixKvStore
-from splitserve.engines import Engine, LayerHook, PrefillRequest, PrefillResult, PromptTooLong, Sampling
-from splitserve.kv import BlockPool, make_sender
-from splitserve.kv.transport import usable_transport
-from splitserve.obs import tracing
 from splitserve.runtime.service import Service
+from splitserve.services.common import handoff
+from splitserve.services.common.engine_thread import EngineThread
+from splitserve.services.common.kvcache import KvEventPublisher, kv_layout
+from splitserve.services.common.options import EngineOptions
+from splitserve.services.common.sampling import engine_sampling, wire_logprob
 
 # Prompts shorter than this are pushed in one piece after prefill (see _run).
 LAYERWISE_MIN_TOKENS = 256
@@ -491,7 +491,8 @@ class PrefillService(Service):
                         started_ms=started_ms),
             decode=job, first_logprob=wire_logprob(self.engine, res.first_logprobs),
         )
-        # delivered until the decoder answers (services.common.handoff): awaited here, so a draining prefiller
+        # delivered until the decoder answers (splitserve.services.common.handoff): awaited here, so a draining
+        # prefiller
         # finishes its hand-offs before it exits (one round trip; a lost copy costs ACK_TIMEOUT_S)
         await handoff.hand_over(self.b, Subjects.kv_ready(job.decoder_id), done, self.log)
         if self.kv_events is not None:

@@ -13,7 +13,10 @@ import contextlib
 import time
 from typing import Any
 
-from proto import (
+from splitserve.engines import PromptTooLong
+from splitserve.engines.generate import GenRequest
+from splitserve.obs import tracing
+from splitserve.proto import (
     CancelRequest,
     DecodeJob,
     ErrorCode,
@@ -24,15 +27,12 @@ from proto import (
     WorkerLoad,
     now_ms,
 )
-from services.common import handoff
-from services.common.options import EngineOptions
-from services.common.sampling import engine_sampling, wire_logprob
-from services.common.vllm_kv import VllmKvBridge
-from services.common.vllm_worker import VllmOptions, serve_vllm_metrics, vllm_config, vllm_load
-from services.prefill.service import JobFailed, PrefillService
-from splitserve.engines import PromptTooLong
-from splitserve.engines.generate import GenRequest
-from splitserve.obs import tracing
+from splitserve.services.common import handoff
+from splitserve.services.common.options import EngineOptions
+from splitserve.services.common.sampling import engine_sampling, wire_logprob
+from splitserve.services.common.vllm_kv import VllmKvBridge
+from splitserve.services.common.vllm_worker import VllmOptions, serve_vllm_metrics, vllm_config, vllm_load
+from splitserve.services.prefill.service import JobFailed, PrefillService
 
 
 class VllmPrefillService(PrefillService):
@@ -157,7 +157,8 @@ class VllmPrefillService(PrefillService):
                         transport=f"vllm-{self.vopts.kv_connector}", prefill_ms=prefill_ms, transfer_ms=0.0,
                         started_ms=started_ms),
             decode=job, kv_transfer_params=params or {}, first_logprob=wire_logprob(self.engine, first_lp))
-        # delivered until the decoder answers (services.common.handoff): awaited here, so a draining prefiller
+        # delivered until the decoder answers (splitserve.services.common.handoff): awaited here, so a draining
+        # prefiller
         # finishes its hand-offs before it exits (one round trip; a lost copy costs ACK_TIMEOUT_S)
         await handoff.hand_over(self.b, Subjects.kv_ready(job.decoder_id), done, self.log)
         self.log.info("prefilled", request_id=job.request_id, tokens=len(ids), cached_tokens=cached,

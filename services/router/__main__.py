@@ -1,11 +1,11 @@
-"""``python -m services.router``: run one router process."""
+"""``python -m splitserve.services.router``: run one router process."""
 
 from __future__ import annotations
 
 import typer
 
-from services.common import cli
 from splitserve.runtime.service import run_service
+from splitserve.services.common import cli
 
 app = typer.Typer(add_completion=False)
 
@@ -39,7 +39,7 @@ def main(
     log_level: str = typer.Option("INFO"),
     drain_timeout_s: float = cli.DrainTimeout,
 ) -> None:
-    from services.router.service import RouterService
+    from splitserve.services.router.service import RouterService
 
     run_service(RouterService(worker_id, nats_url, model=model, strategy=strategy,
                               disagg_threshold=disagg_threshold, no_worker_wait_s=no_worker_wait_s,

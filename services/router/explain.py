@@ -1,6 +1,6 @@
 """The router's answer to ``ss.admin.route.explain``: a prompt routed on paper by every strategy.
 
-Kept out of ``services.router.service`` (which only subscribes and calls :func:`answer`): the dry run itself
+Kept out of ``splitserve.services.router.service`` (which only subscribes and calls :func:`answer`): the dry run itself
 is the pure :func:`splitserve.routing.explain.explain`; this module turns the request into token ids and
 worker views, and the result into the wire reply.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from proto import (
+from splitserve.proto import (
     ExplainWorker,
     GenerateRequest,
     Heartbeat,

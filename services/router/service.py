@@ -2,7 +2,7 @@
 
 Intake (``ss.req.{tenant}``, request/reply): tokenize, check the model's and the tenant's limits (unknown
 tenant, max prompt / max_tokens, in-flight, queued, tokens per minute: a precise refusal with a retry-after),
-store the request durably in its tenant's queue (``services.router.workqueue``) and answer Accepted.
+store the request durably in its tenant's queue (``splitserve.runtime.workqueue``) and answer Accepted.
 
 Dispatch: while decoders have free slots, the fair scheduler (``splitserve.tenancy.fairshare``) picks the
 tenant to serve next by weighted tokens; the router pulls that tenant's next request, asks the routing
@@ -23,7 +23,7 @@ requests wait for the other routers), and in-flight requests are followed until 
 bound runs out (their queue messages are then redelivered to another router, which adopts them).
 
 Several routers (``splitserve up --routers N``) share one behaviour through JetStream
-(``services.router.shared``): a request id is registered once cluster-wide at intake and every state change
+(``splitserve.services.router.shared``): a request id is registered once cluster-wide at intake and every state change
 (dispatched, ended, adopted) is a compare-and-set on its record, so it runs at most once and ends with exactly
 one terminal message whichever replica a client (re-)sends it to; quota usage is one compare-and-set snapshot
 per tenant, so limits are global; each router publishes the virtual tokens it charged (fair share) and the
@@ -54,8 +54,11 @@ from nats.js.api import DiscardPolicy, StreamConfig
 from opentelemetry import trace
 from opentelemetry.trace import SpanContext
 
-import proto
-from proto import (
+from splitserve import proto
+from splitserve.cache import events as cache_events
+from splitserve.cache.index import PrefixIndex
+from splitserve.obs import tracing
+from splitserve.proto import (
     Accepted,
     CancelRequest,
     DecodeJob,
@@ -84,18 +87,15 @@ from proto import (
     WorkerLoad,
     now_ms,
 )
-from services.common.resync import resync_index
-from services.router.shared import CorruptRecord, RequestRegistry, SharedQuota
-from services.router.workqueue import WorkQueue
-from splitserve.cache import events as cache_events
-from splitserve.cache.index import PrefixIndex
-from splitserve.obs import tracing
 from splitserve.routing import NoWorkers, RoutingRequest, WorkerView
 from splitserve.routing.live import build_router, decoder_free_slots, dispatch_batch, live_disagg, view_from_load
 from splitserve.runtime.bus import PayloadTooLarge, identity_refusal, reply_allowed
 from splitserve.runtime.jetstream import ensure_stream, replicas_for
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
+from splitserve.runtime.workqueue import WorkQueue
+from splitserve.services.common.resync import resync_index
+from splitserve.services.router.shared import CorruptRecord, RequestRegistry, SharedQuota
 from splitserve.tenancy import TenantsConfig, load_tenants
 from splitserve.tenancy.fairshare import FairScheduler
 from splitserve.tenancy.intake_rate import IntakeBudget
@@ -253,7 +253,7 @@ class RouterService(Service):
         self._recent_ends: OrderedDict[str, None] = OrderedDict()  # requests whose end arrived lately
 
     async def setup(self) -> None:
-        from services.router.tokenize import PromptTokenizer
+        from splitserve.services.router.tokenize import PromptTokenizer
 
         # Async jobs' results are kept (per tenant subject, with a TTL) in JetStream for later fetching.
         js = self.b.nc.jetstream()
@@ -1420,8 +1420,8 @@ class RouterService(Service):
 
     async def on_route_explain(self, req: proto.RouteExplainRequest, msg: Msg) -> None:
         """What each strategy would decide for this prompt now: a dry run that dispatches nothing and leaves
-        every routing state as it was (``services.router.explain``)."""
-        from services.router import explain
+        every routing state as it was (``splitserve.services.router.explain``)."""
+        from splitserve.services.router import explain
 
         try:
             ids = explain.prompt_ids(self.tokenizer.token_ids, req)

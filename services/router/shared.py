@@ -13,7 +13,7 @@
   max_inflight and tokens_per_minute are exact cluster-wide. Concurrent operations on one tenant are batched
   into one compare-and-set per round trip. Admission and finish are idempotent per request id.
 
-What a router does with these (when to claim, settle, reconcile) is ``services.router.service``'s business.
+What a router does with these (when to claim, settle, reconcile) is ``splitserve.services.router.service``'s business.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-import proto
-from proto import RequestRecord, Subjects, TenantUsage
+from splitserve import proto
+from splitserve.proto import RequestRecord, Subjects, TenantUsage
 from splitserve.runtime.jetstream import ensure_bucket
 from splitserve.tenancy.config import TenantsConfig
 from splitserve.tenancy.quota import QuotaBook, Refusal

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from proto import GenerateRequest
+from splitserve.proto import GenerateRequest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

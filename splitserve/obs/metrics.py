@@ -27,7 +27,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from proto import Heartbeat, RequestFinished
+from splitserve.proto import Heartbeat, RequestFinished
 
 # vLLM's buckets, so histogram_quantile over a mixed fleet lines up.
 VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -246,7 +246,7 @@ async def ensure_trace_stream(nc: Any) -> None:
     """Create (or update) the bounded JetStream stream that keeps spans. Idempotent; never raises."""
     from nats.js.api import StorageType, StreamConfig
 
-    from proto import Subjects
+    from splitserve.proto import Subjects
 
     cfg = StreamConfig(name=TRACE_STREAM, subjects=[Subjects.TRACE_SPANS_ALL], max_age=TRACE_STREAM_MAX_AGE_S,
                        max_bytes=TRACE_STREAM_MAX_BYTES, storage=StorageType.FILE)
@@ -302,14 +302,14 @@ class NatsSpanExporter(SpanExporter):
         return (self.loop is not None and not self.loop.is_closed() and bool(self.nc.is_connected))
 
     def encode(self, spans: Sequence[ReadableSpan]) -> bytes:
-        from proto import SpanBatch, encode
+        from splitserve.proto import SpanBatch, encode
 
         batch = SpanBatch(service=self.service, worker_id=self.worker_id,
                           spans=[span_to_record(s, self.service, self.worker_id) for s in spans])
         return encode(batch)
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        from proto import Subjects
+        from splitserve.proto import Subjects
 
         if not spans:
             return SpanExportResult.SUCCESS
@@ -338,7 +338,7 @@ async def read_spans(nc: Any, *, limit: int = 200_000) -> list[dict[str, Any]]:
     from nats.js.api import DeliverPolicy
     from nats.js.errors import NotFoundError
 
-    from proto import SpanBatch, decode
+    from splitserve.proto import SpanBatch, decode
 
     js = nc.jetstream()
     try:
@@ -367,7 +367,7 @@ async def read_spans(nc: Any, *, limit: int = 200_000) -> list[dict[str, Any]]:
 
 
 def _spans_prefix() -> str:
-    from proto import Subjects
+    from splitserve.proto import Subjects
 
     return Subjects.TRACE_SPANS_ALL[:-1]
 

@@ -33,10 +33,10 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pydantic import BaseModel
 
-import proto
-from proto import ErrorCode, StreamError
+from splitserve import proto
 from splitserve.obs import tracing
 from splitserve.obs.log import get_logger
+from splitserve.proto import ErrorCode, StreamError
 from splitserve.runtime import natsflush
 
 # nats-py's flush() lets its PING overtake queued SUB/PUB commands: every connection made through the bus (the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from proto import Heartbeat
+from splitserve.proto import Heartbeat
 
 
 @dataclass

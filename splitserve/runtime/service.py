@@ -24,9 +24,9 @@ from typing import Any
 
 import structlog
 
-from proto import Heartbeat, Subjects, WorkerLoad
 from splitserve.obs.log import configure_logging, get_logger
 from splitserve.obs.tracing import flush_tracing, setup_tracing
+from splitserve.proto import Heartbeat, Subjects, WorkerLoad
 from splitserve.runtime.bus import Bus
 from splitserve.tenancy import natsauth
 from splitserve.tenancy.natsauth import ENV_NKEY_SEED, ENV_PASSWORD, ENV_USER

@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from proto import request_key
 from splitserve.cache.events import KvEventBatch
 from splitserve.cache.index import PrefixIndex
+from splitserve.proto import request_key
 from splitserve.routing import NoWorkers, RoutingRequest, WorkerView
 from splitserve.routing.live import build_router, decoder_free_slots, dispatch_batch, live_disagg, view_from_load
 from splitserve.sim.clock import EventLoop

@@ -26,8 +26,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from proto import request_key
 from splitserve.cache.events import BlockRemoved, BlockStored, KvEvent, KvEventBatch
+from splitserve.proto import request_key
 
 if TYPE_CHECKING:
     from splitserve.sim.clock import EventLoop

@@ -36,7 +36,7 @@ from typing import Any, Final
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from proto.subjects import check_token
+from splitserve.proto.subjects import check_token
 
 
 class TenantLimits(BaseModel):

@@ -84,7 +84,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from proto.subjects import Subjects, check_token
+from splitserve.proto.subjects import Subjects, check_token
 from splitserve.tenancy.config import TenantsConfig
 
 # Every service role that connects to NATS, plus the operator. Multiple workers of a role share one user.
@@ -140,8 +140,8 @@ ALL = Permissions(publish=(">",), subscribe=(">",))
 # Stream, bucket and object store names as the services spell them (kept literal here so that this module
 # stays importable without the services; tests/tenancy/test_natsauth.py checks they match).
 TRACES_STREAM = "SS_TRACES"  # splitserve.obs.tracing.TRACE_STREAM
-KV_EVENTS_STREAM = "SS_KV_EVENTS"  # services.cache_index.service.STREAM
-INDEX_STORE = "ss-cache-index"  # services.cache_index.service.BUCKET (its stream: OBJ_ss-cache-index)
+KV_EVENTS_STREAM = "SS_KV_EVENTS"  # splitserve.services.cache_index.service.STREAM
+INDEX_STORE = "ss-cache-index"  # splitserve.services.cache_index.service.BUCKET (its stream: OBJ_ss-cache-index)
 _JS = "$JS.API"
 _REQUESTS_KV = f"KV_{Subjects.REQUESTS_BUCKET}"
 _QUOTA_KV = f"KV_{Subjects.QUOTA_BUCKET}"

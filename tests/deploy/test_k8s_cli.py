@@ -17,12 +17,12 @@ import promql_parser
 import pytest
 import yaml
 
-from proto import Heartbeat, WorkerLoad
-from services.router.workqueue import NUM_CLASSES, WorkQueue
 from splitserve import k8s
 from splitserve.natsserver import start_nats
 from splitserve.obs.metrics import ClusterMetrics
+from splitserve.proto import Heartbeat, WorkerLoad
 from splitserve.runtime.bus import Bus, NotAuthorized
+from splitserve.runtime.workqueue import NUM_CLASSES, WorkQueue
 from splitserve.tenancy import natsauth
 from splitserve.tenancy.config import TenantsConfig, load_tenants
 from tests.deploy.conftest import EXAMPLE_TENANTS, K8S, ROOT

@@ -139,10 +139,11 @@ def test_a_crd_schema_refuses_a_typo() -> None:
 def _cli(module: str) -> Any:
     import importlib
 
-    return typer.main.get_command(importlib.import_module(f"services.{module}.__main__").app)
+    return typer.main.get_command(importlib.import_module(f"splitserve.services.{module}.__main__").app)
 
 
-COMMANDS = {("python", "-m", f"services.{m}"): m for m in ("router", "prefill", "decode", "cache_index", "frontend")}
+COMMANDS = {("python", "-m", f"splitserve.services.{m}"): m for m in ("router", "prefill", "decode", "cache_index",
+                                                                      "frontend")}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -373,7 +374,7 @@ class _Backend:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 async def test_front_door_service_ports_and_probes_hit_the_real_app(rendered: dict[str, list[dict[str, Any]]],
                                                                      overlay: str) -> None:
-    from services.frontend.app import create_app
+    from splitserve.services.frontend.app import create_app
 
     docs = rendered[overlay]
     dep, svc = one(docs, "Deployment", "frontend"), one(docs, "Service", "frontend")
@@ -388,7 +389,7 @@ async def test_front_door_service_ports_and_probes_hit_the_real_app(rendered: di
     assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    from services.frontend.app import create_metrics_app
+    from splitserve.services.frontend.app import create_metrics_app
 
     for ready in (True, False):
         app = create_app(_Backend(ready))  # type: ignore[arg-type]

@@ -56,9 +56,9 @@ def test_repeated_prompt_lands_on_holder_and_reuses_kv(stack: StackProc) -> None
 def test_index_service_sees_the_workers_blocks(stack: StackProc) -> None:
     import nats
 
-    import proto
-    from services.router.tokenize import PromptTokenizer
+    from splitserve import proto
     from splitserve.cache.hashing import hash_token_blocks
+    from splitserve.services.router.tokenize import PromptTokenizer
     from splitserve.tenancy import TenantsConfig
 
     ids = PromptTokenizer(None).token_ids(proto.GenerateRequest(request_id="x", tenant="t",

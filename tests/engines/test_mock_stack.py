@@ -24,9 +24,10 @@ async def test_concurrent_requests_through_a_stack_of_mocks(nats_server: NatsSer
         env.setenv("SPLITSERVE_MOCK_STEP_MS", "2")  # the children inherit it; the mock reads it at load
         # every prompt is prefilled on the decoder (no prefill pool needed), dispatched directly: this is about
         # the engine behind real services, the JetStream queue has its own tests
-        procs = [spawn_service("services.router", "--disagg-threshold", "1000000000", "--no-queue",
+        procs = [spawn_service("splitserve.services.router", "--disagg-threshold", "1000000000", "--no-queue",
                                nats_url=url, worker_id="router-m", log_dir=logs),
-                 spawn_service("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", "8",
+                 spawn_service("splitserve.services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch",
+                               "8",
                                nats_url=url, worker_id="decode-m", log_dir=logs)]
     try:
         await wait_ready(url, ["router-m", "decode-m"], timeout=120)

@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import proto
-from services.frontend.openai_api import GenerateArgs
+from splitserve import proto
 from splitserve.client import Delta, Result
 from splitserve.errors import SplitserveError
+from splitserve.services.frontend.openai_api import GenerateArgs
 
 MODEL = "tiny-model"
 

@@ -13,10 +13,10 @@ import httpx2
 import openai
 import pytest
 
-from proto import ErrorCode
-from services.frontend.app import create_app, load_api_keys
 from splitserve import errors
 from splitserve.client import Delta
+from splitserve.proto import ErrorCode
+from splitserve.services.frontend.app import create_app, load_api_keys
 from tests.frontend.fakes import MODEL, FakeBackend, FakeStream, Script, make_result
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
@@ -336,7 +336,7 @@ async def test_oversized_and_non_object_bodies(http: httpx2.AsyncClient, monkeyp
     r = await http.post("/v1/completions", content=b'{"prompt": "x"}',
                         headers={"content-type": "application/x-www-form-urlencoded"})
     assert r.status_code == 200
-    monkeypatch.setattr("services.frontend.app.MAX_BODY_BYTES", 100)
+    monkeypatch.setattr("splitserve.services.frontend.app.MAX_BODY_BYTES", 100)
     r = await http.post("/v1/completions", json={"prompt": "x" * 200})
     assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
 
@@ -402,8 +402,8 @@ async def test_fast_client_gets_every_delta_as_its_own_event(backend: FakeBacken
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 @pytest.mark.parametrize("usage", [False, True])
 def test_pre_encoded_text_events_match_the_plain_encoding(kind: str, usage: bool) -> None:
-    from services.frontend.app import sse, text_event_encoder
-    from services.frontend.openai_api import Responder
+    from splitserve.services.frontend.app import sse, text_event_encoder
+    from splitserve.services.frontend.openai_api import Responder
 
     r = Responder(kind=kind, request_id="r1", model='m "q" é', created=1, include_usage=usage)  # type: ignore[arg-type]
     enc = text_event_encoder(r)

@@ -14,8 +14,11 @@ import nats
 import pytest
 from nats.js.api import StreamConfig
 
-import proto
-from proto import (
+from splitserve import proto
+from splitserve.natsserver import NatsServer
+from splitserve.obs import tracing
+from splitserve.obs.metrics import ClusterMetrics
+from splitserve.proto import (
     Heartbeat,
     QueueReport,
     RequestFinished,
@@ -25,12 +28,9 @@ from proto import (
     Usage,
     WorkerLoad,
 )
-from services.frontend import console
-from services.frontend.app import AuthThrottle, create_app
-from services.frontend.console_data import ConsoleData
-from splitserve.natsserver import NatsServer
-from splitserve.obs import tracing
-from splitserve.obs.metrics import ClusterMetrics
+from splitserve.services.frontend import console
+from splitserve.services.frontend.app import AuthThrottle, create_app
+from splitserve.services.frontend.console_data import ConsoleData
 from splitserve.tenancy.config import TenantsConfig
 from tests.frontend.fakes import FakeBackend
 

@@ -183,9 +183,8 @@ async def test_route_explain_over_nats_is_a_dry_run_with_clear_errors(stack: tup
     prompt left behind, and unknown strategies and malformed requests answered precisely."""
     import nats
 
-    import proto
-    from proto import RouteExplainRequest, Subjects
-    from splitserve import ops
+    from splitserve import ops, proto
+    from splitserve.proto import RouteExplainRequest, Subjects
     from splitserve.tenancy.natsauth import read_admin_credentials
 
     sp, _, _ = stack

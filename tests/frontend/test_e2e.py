@@ -16,7 +16,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-import proto
+from splitserve import proto
 from splitserve.natsserver import free_port
 from splitserve.stackproc import StackProc, start_stack
 from tests.procs import spawn_service, stop
@@ -165,7 +165,8 @@ def test_api_keys_401_and_tenant(stack: StackProc, model: str, tmp_path: Path) -
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"sk-test-1-0123456789": "acme"}))
     port = free_port()
-    p = spawn_service("services.frontend", "--api-keys", str(keys), "--port", str(port), nats_url=stack.nats_url,
+    p = spawn_service("splitserve.services.frontend", "--api-keys", str(keys), "--port", str(port),
+                      nats_url=stack.nats_url,
                       worker_id="frontend-keys", log_dir=tmp_path / "logs")
     try:
         base = f"http://127.0.0.1:{port}"

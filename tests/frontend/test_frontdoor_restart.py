@@ -28,9 +28,9 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 
-import proto
-from proto import Accepted, GenerateRequest, Heartbeat, StreamDelta, StreamFinal, Subjects
+from splitserve import proto
 from splitserve.natsserver import NatsServer
+from splitserve.proto import Accepted, GenerateRequest, Heartbeat, StreamDelta, StreamFinal, Subjects
 from splitserve.runtime.bus import Bus
 from splitserve.stackproc import start_stack
 from tests.frontend.test_service import frontend

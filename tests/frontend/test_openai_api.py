@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from proto import ErrorCode
-from services.frontend import openai_api as oa
 from splitserve import errors
+from splitserve.proto import ErrorCode
+from splitserve.services.frontend import openai_api as oa
 from tests.frontend.fakes import make_result
 
 

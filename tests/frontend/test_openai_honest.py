@@ -16,11 +16,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-import proto
-from services.frontend import app as app_module
-from services.frontend import openai_api as oa
-from services.frontend.app import SESSION_HEADER, create_app, create_metrics_app
+from splitserve import proto
 from splitserve.client import Delta
+from splitserve.services.frontend import app as app_module
+from splitserve.services.frontend import openai_api as oa
+from splitserve.services.frontend.app import SESSION_HEADER, create_app, create_metrics_app
 from tests.frontend.fakes import MODEL, FakeBackend, FakeStream, Script, make_result
 
 CHAT: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}

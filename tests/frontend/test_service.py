@@ -15,11 +15,20 @@ import httpx2
 import pytest
 from nats.aio.msg import Msg
 
-import proto
-from proto import Accepted, ErrorCode, GenerateRequest, Heartbeat, StreamDelta, StreamError, StreamFinal, Subjects
-from services.frontend.service import FrontendService
+from splitserve import proto
 from splitserve.natsserver import NatsServer
+from splitserve.proto import (
+    Accepted,
+    ErrorCode,
+    GenerateRequest,
+    Heartbeat,
+    StreamDelta,
+    StreamError,
+    StreamFinal,
+    Subjects,
+)
 from splitserve.runtime.bus import Bus
+from splitserve.services.frontend.service import FrontendService
 
 MODEL = "fake-model"
 

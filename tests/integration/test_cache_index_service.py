@@ -12,9 +12,9 @@ from pathlib import Path
 
 import nats
 
-import proto
-from proto import BlockStored, CacheQuery, CacheQueryReply, Heartbeat, KvEventBatch, KvHeld, Subjects
+from splitserve import proto
 from splitserve.natsserver import NatsServer
+from splitserve.proto import BlockStored, CacheQuery, CacheQueryReply, Heartbeat, KvEventBatch, KvHeld, Subjects
 from tests.procs import spawn_service, stop, wait_ready
 
 CHAIN = list(range(1000, 1010))  # block hashes of one prompt, in chain order
@@ -43,7 +43,7 @@ async def _eventually(fn, want, timeout: float = 10.0):  # type: ignore[no-untyp
 
 
 def _start(url: str, log_dir: Path):  # type: ignore[no-untyped-def]
-    p = spawn_service("services.cache_index", "--snapshot-interval-s", "0.5", nats_url=url,
+    p = spawn_service("splitserve.services.cache_index", "--snapshot-interval-s", "0.5", nats_url=url,
                       worker_id="cache-index-t", log_dir=log_dir)
     asyncio.run(wait_ready(url, ["cache-index-t"], timeout=60))
     return p

@@ -12,11 +12,10 @@ import nats
 import pytest
 from nats.js.errors import BadRequestError
 
-import proto
-from proto import Accepted, GenerateRequest, Route, StreamDelta, StreamFinal, Usage
-from splitserve import errors
+from splitserve import errors, proto
 from splitserve.client import Client
 from splitserve.natsserver import NatsServer
+from splitserve.proto import Accepted, GenerateRequest, Route, StreamDelta, StreamFinal, Usage
 
 
 async def _responder(url: str, seqs: list[int]) -> nats.NATS:

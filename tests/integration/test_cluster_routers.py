@@ -23,7 +23,7 @@ from pathlib import Path
 import nats
 import pytest
 
-import proto
+from splitserve import proto
 from splitserve.client import Client
 from splitserve.discovery import server_list
 from splitserve.natsserver import NatsCluster
@@ -61,12 +61,12 @@ async def test_three_routers_on_a_three_node_cluster_survive_a_node_and_a_router
     tenants = tmp_path / "tenants.yaml"
     tenants.write_text(TENANTS)
     env = dict(os.environ, SPLITSERVE_MOCK_STEP_MS="4")
-    procs = [spawn_service("services.router", "--tenants", str(tenants), "--disagg-threshold", "1000000000",
+    procs = [spawn_service("splitserve.services.router", "--tenants", str(tenants), "--disagg-threshold", "1000000000",
                            "--queue-ack-wait-s", "3", nats_url=cluster.url, worker_id=r, log_dir=logs, env=env)
              for r in ROUTERS]
-    procs.append(spawn_service("services.cache_index", nats_url=cluster.url, worker_id="cache-index-k",
+    procs.append(spawn_service("splitserve.services.cache_index", nats_url=cluster.url, worker_id="cache-index-k",
                                log_dir=logs, env=env))
-    procs += [spawn_service("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", "8",
+    procs += [spawn_service("splitserve.services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", "8",
                             nats_url=cluster.url, worker_id=d, log_dir=logs, env=env) for d in DECODERS]
     victim_router = ""
     try:

@@ -17,10 +17,10 @@ from pathlib import Path
 import nats
 import pytest
 
-import proto
-from proto import Heartbeat, Subjects
+from splitserve import proto
 from splitserve.client import Client
 from splitserve.natsserver import NatsServer
+from splitserve.proto import Heartbeat, Subjects
 from tests.procs import spawn_service, stop, wait_ready
 
 pytestmark = pytest.mark.slow
@@ -31,9 +31,9 @@ async def test_a_request_in_its_local_prefill_counts_as_a_stream_with_its_prefil
     url, logs = fresh_nats.url, tmp_path / "logs"
     # ~600 prompt tokens at 200 tokens/s: the local prefill takes ~3 s, several heartbeats (0.5 s apart)
     env = dict(os.environ, SPLITSERVE_MOCK_PREFILL_TPS="200", SPLITSERVE_MOCK_STEP_MS="10")
-    procs = [spawn_service("services.router", "--disagg-threshold", "1000000000", nats_url=url,
+    procs = [spawn_service("splitserve.services.router", "--disagg-threshold", "1000000000", nats_url=url,
                            worker_id="router-l", log_dir=logs),
-             spawn_service("services.decode", "--engine", "mock", "--transport", "tcp", nats_url=url,
+             spawn_service("splitserve.services.decode", "--engine", "mock", "--transport", "tcp", nats_url=url,
                            worker_id="decode-l", log_dir=logs, env=env)]
     nc = await nats.connect(url)
     try:

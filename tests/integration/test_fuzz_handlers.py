@@ -23,8 +23,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import proto
-from proto import (
+from splitserve import proto
+from splitserve.client import Client
+from splitserve.natsserver import NatsServer, start_nats
+from splitserve.proto import (
     CacheQuery,
     CancelRequest,
     DecodeJob,
@@ -41,8 +43,6 @@ from proto import (
     SamplingParams,
     Subjects,
 )
-from splitserve.client import Client
-from splitserve.natsserver import NatsServer, start_nats
 from tests.procs import spawn_service, stop, wait_ready
 
 pytestmark = pytest.mark.slow
@@ -116,14 +116,15 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatsServer
     (tmp / "tenants.yaml").write_text(TENANTS)
     env = dict(os.environ, SPLITSERVE_MOCK_STEP_MS="0")
     procs = [
-        spawn_service("services.router", "--tenants", str(tmp / "tenants.yaml"), "--disagg-threshold", "64",
+        spawn_service("splitserve.services.router", "--tenants", str(tmp / "tenants.yaml"), "--disagg-threshold", "64",
                       nats_url=srv.url, worker_id="router-f", log_dir=logs),
-        spawn_service("services.decode", "--engine", "mock", "--transport", "tcp", nats_url=srv.url, worker_id=DEC,
+        spawn_service("splitserve.services.decode", "--engine", "mock", "--transport", "tcp", nats_url=srv.url,
+                      worker_id=DEC,
                       log_dir=logs, env=env),
-        spawn_service("services.prefill", "--engine", "mock", "--transport", "tcp", nats_url=srv.url,
+        spawn_service("splitserve.services.prefill", "--engine", "mock", "--transport", "tcp", nats_url=srv.url,
                       worker_id=PRE, log_dir=logs, env=env),
-        spawn_service("services.cache_index", nats_url=srv.url, worker_id="cache-index-f", log_dir=logs),
-        spawn_service("services.frontend", "--port", "0", "--docs", nats_url=srv.url, worker_id="frontend-f",
+        spawn_service("splitserve.services.cache_index", nats_url=srv.url, worker_id="cache-index-f", log_dir=logs),
+        spawn_service("splitserve.services.frontend", "--port", "0", "--docs", nats_url=srv.url, worker_id="frontend-f",
                       log_dir=logs),  # --docs: the fuzzer reads /openapi.json (off by default)
     ]
     loop = asyncio.new_event_loop()

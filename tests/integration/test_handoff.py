@@ -1,5 +1,5 @@
 """The prefill -> decode hand-off (``PrefillDone`` on ``ss.decode.{worker}.kvready``) against a real nats-server:
-delivered until the decoder answers, taken once (services.common.handoff).
+delivered until the decoder answers, taken once (splitserve.services.common.handoff).
 
 In an hour of chaos one hand-off was lost with a nats-server killed: the decoder held the KV reservation for
 its 300 s lease (listed in its heartbeats, so no router thought the request lost) and the request never ran.
@@ -17,11 +17,20 @@ import nats
 import pytest
 import structlog
 
-import proto
-from proto import DecodeJob, KvHandle, PrefillDone, PrefillDoneAck, Route, SamplingParams, StreamFinal, Subjects
-from services.common import handoff
+from splitserve import proto
 from splitserve.natsserver import NatsServer
+from splitserve.proto import (
+    DecodeJob,
+    KvHandle,
+    PrefillDone,
+    PrefillDoneAck,
+    Route,
+    SamplingParams,
+    StreamFinal,
+    Subjects,
+)
 from splitserve.runtime.bus import Bus
+from splitserve.services.common import handoff
 from tests.procs import spawn_service, stop, wait_ready
 
 
@@ -66,7 +75,7 @@ async def test_a_decoder_answers_every_copy_and_runs_the_request_once(fresh_nats
     decoder, so it prefills locally: a second run would be a second final."""
     url, logs = fresh_nats.url, tmp_path / "logs"
     procs: list[subprocess.Popen[bytes]] = [spawn_service(
-        "services.decode", "--engine", "mock", "--transport", "tcp", nats_url=url, worker_id="decode-h",
+        "splitserve.services.decode", "--engine", "mock", "--transport", "tcp", nats_url=url, worker_id="decode-h",
         log_dir=logs)]
     try:
         await wait_ready(url, ["decode-h"], timeout=180)

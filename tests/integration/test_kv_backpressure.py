@@ -25,12 +25,13 @@ def cluster(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -
     url = nats_server.url
     eng = ["--transport", "tcp", "--threads", "1"]
     procs = [
-        spawn_service("services.router", "--disagg-threshold", "32", nats_url=url, worker_id="router-bp",
+        spawn_service("splitserve.services.router", "--disagg-threshold", "32", nats_url=url, worker_id="router-bp",
                       log_dir=logs),
-        spawn_service("services.prefill", *eng, nats_url=url, worker_id="prefill-bp", log_dir=logs),
-        spawn_service("services.prefill", *eng, nats_url=url, worker_id="prefill-bp2", log_dir=logs),
+        spawn_service("splitserve.services.prefill", *eng, nats_url=url, worker_id="prefill-bp", log_dir=logs),
+        spawn_service("splitserve.services.prefill", *eng, nats_url=url, worker_id="prefill-bp2", log_dir=logs),
         # 256 tokens of landing space: one ~230-token prompt at a time.
-        spawn_service("services.decode", *eng, "--landing-tokens", "256", "--cache-tokens", "0", nats_url=url,
+        spawn_service("splitserve.services.decode", *eng, "--landing-tokens", "256", "--cache-tokens", "0",
+                      nats_url=url,
                       worker_id="decode-bp", log_dir=logs),
     ]
     try:

@@ -23,11 +23,10 @@ from pathlib import Path
 import nats
 import pytest
 
-import proto
-from proto import Heartbeat
-from splitserve import errors
+from splitserve import errors, proto
 from splitserve.client import Client, Delta, Generation, Result
 from splitserve.natsserver import NatsServer
+from splitserve.proto import Heartbeat
 from tests.procs import spawn_service, stop, wait_ready
 
 pytestmark = pytest.mark.slow
@@ -36,19 +35,20 @@ PROMPT = "Tell me a story about migrating birds."
 
 
 def _router(url: str, logs: Path, worker_id: str = "router-m", *args: str) -> subprocess.Popen[bytes]:
-    return spawn_service("services.router", "--queue-ack-wait-s", "5", "--no-worker-wait-s", "3", *args,
+    return spawn_service("splitserve.services.router", "--queue-ack-wait-s", "5", "--no-worker-wait-s", "3", *args,
                          nats_url=url, worker_id=worker_id, log_dir=logs)
 
 
 def _decoder(url: str, logs: Path, worker_id: str, step_ms: int = 40, *args: str) -> subprocess.Popen[bytes]:
     env = dict(os.environ, SPLITSERVE_MOCK_STEP_MS=str(step_ms))
-    return spawn_service("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", "8", *args,
+    return spawn_service("splitserve.services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", "8",
+                         *args,
                          nats_url=url, worker_id=worker_id, log_dir=logs, env=env)
 
 
 def _prefiller(url: str, logs: Path, worker_id: str, tps: int = 200) -> subprocess.Popen[bytes]:
     env = dict(os.environ, SPLITSERVE_MOCK_PREFILL_TPS=str(tps))
-    return spawn_service("services.prefill", "--engine", "mock", "--transport", "tcp", nats_url=url,
+    return spawn_service("splitserve.services.prefill", "--engine", "mock", "--transport", "tcp", nats_url=url,
                          worker_id=worker_id, log_dir=logs, env=env)
 
 
@@ -206,7 +206,7 @@ async def test_a_worker_lost_after_the_last_token_ends_the_request_complete(
     (finish_reason "length"), instead of asking another decoder to go on past max_tokens. (Seen in CI: the
     rolling-restart test got one prompt with max_tokens + 1 tokens.) The decoder here is the test itself, on
     NATS, so that it can stop at exactly that point."""
-    from proto import DecodeJob, StreamDelta, Subjects, WorkerLoad
+    from splitserve.proto import DecodeJob, StreamDelta, Subjects, WorkerLoad
 
     url, logs = fresh_nats.url, tmp_path / "logs"
     procs.append(_router(url, logs, "router-e", "--disagg-threshold", "1000000000"))
@@ -268,7 +268,7 @@ async def test_requests_sent_to_a_just_killed_decoder_wait_for_a_live_one(
 
     The dead decoder is the test's own heartbeats (a "ready" decoder with room, then silence), so that every
     request surely reaches it inside the window: a real SIGKILL is noticed by NATS within milliseconds."""
-    from proto import Subjects, WorkerLoad
+    from splitserve.proto import Subjects, WorkerLoad
 
     url, logs = fresh_nats.url, tmp_path / "logs"
     procs += [_router(url, logs, "router-u", "--disagg-threshold", "1", "--max-stall-ms", "0.001",

@@ -21,7 +21,7 @@ from pathlib import Path
 import nats
 import pytest
 
-import proto
+from splitserve import proto
 from splitserve.discovery import server_list
 from splitserve.natsserver import NatsCluster, start_nats_cluster
 from tests.clusterload import run_load
@@ -34,10 +34,11 @@ STREAMS = [proto.Subjects.QUEUE_STREAM, proto.Subjects.USAGE_STREAM, proto.Subje
 def _spawn_stack(url: str, logs: Path) -> list:  # type: ignore[type-arg]
     env = dict(os.environ, SPLITSERVE_MOCK_STEP_MS="4")
     return [
-        spawn_service("services.router", "--disagg-threshold", "1000000000", "--queue-ack-wait-s", "5",
+        spawn_service("splitserve.services.router", "--disagg-threshold", "1000000000", "--queue-ack-wait-s", "5",
                       nats_url=url, worker_id="router-c", log_dir=logs, env=env),
-        spawn_service("services.cache_index", nats_url=url, worker_id="cache-index-c", log_dir=logs, env=env),
-        *(spawn_service("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", "8",
+        spawn_service("splitserve.services.cache_index", nats_url=url, worker_id="cache-index-c", log_dir=logs,
+                      env=env),
+        *(spawn_service("splitserve.services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", "8",
                         nats_url=url, worker_id=f"decode-c{i}", log_dir=logs, env=env) for i in range(2)),
     ]
 
@@ -229,15 +230,15 @@ async def test_a_job_lost_in_transit_is_run_again_once(fresh_nats: object, tmp_p
     not left hanging: a "decoder" that heartbeats as ready but drops every job gets one, the router sees that
     no heartbeat of it ever lists the job (and no end is stored), puts it back in the queue, and the real
     decoder runs it, once."""
-    from proto import Heartbeat, Subjects, WorkerLoad
     from splitserve.client import Client
+    from splitserve.proto import Heartbeat, Subjects, WorkerLoad
 
     url = fresh_nats.url  # type: ignore[attr-defined]
     logs = tmp_path / "logs"
     env = dict(os.environ, SPLITSERVE_MOCK_STEP_MS="4")
-    procs = [spawn_service("services.router", "--disagg-threshold", "1000000000", "--queue-ack-wait-s", "30",
+    procs = [spawn_service("splitserve.services.router", "--disagg-threshold", "1000000000", "--queue-ack-wait-s", "30",
                            nats_url=url, worker_id="router-l", log_dir=logs, env=env),
-             spawn_service("services.decode", "--engine", "mock", "--transport", "tcp", nats_url=url,
+             spawn_service("splitserve.services.decode", "--engine", "mock", "--transport", "tcp", nats_url=url,
                            worker_id="decode-real", log_dir=logs, env=env)]
     nc = await nats.connect(url)
     jobs: list[str] = []

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow  # the router loads the tokenizer
 
 def test_router_and_client_survive_a_nats_restart(tmp_path: Path) -> None:
     srv = start_nats(tmp_path / "nats", port=None)
-    router = spawn_service("services.router", "--no-worker-wait-s", "0.5", nats_url=srv.url, worker_id="router-r",
+    router = spawn_service("splitserve.services.router", "--no-worker-wait-s", "0.5", nats_url=srv.url,
+                           worker_id="router-r",
                            log_dir=tmp_path)
     try:
         asyncio.run(wait_ready(srv.url, ["router-r"], timeout=120))

@@ -27,12 +27,12 @@ def cluster(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -
     url = nats_server.url
     eng = ["--transport", "tcp", "--threads", "1"]
     procs = [
-        spawn_service("services.router", "--disagg-threshold", "1", nats_url=url, worker_id="router-pb",
+        spawn_service("splitserve.services.router", "--disagg-threshold", "1", nats_url=url, worker_id="router-pb",
                       log_dir=logs),
         # prefix cache on: the burst's prompts were cached by the sequential run; in a batch those short
         # prefixes are recomputed, not reused (which would take each prompt out of the shared forward)
-        spawn_service("services.prefill", *eng, nats_url=url, worker_id="prefill-pb", log_dir=logs),
-        spawn_service("services.decode", *eng, "--cache-tokens", "0", nats_url=url, worker_id="decode-pb",
+        spawn_service("splitserve.services.prefill", *eng, nats_url=url, worker_id="prefill-pb", log_dir=logs),
+        spawn_service("splitserve.services.decode", *eng, "--cache-tokens", "0", nats_url=url, worker_id="decode-pb",
                       log_dir=logs),
     ]
     try:

@@ -27,10 +27,10 @@ import nats.errors
 import psutil
 import pytest
 
-import proto
-from proto import Heartbeat, Subjects
+from splitserve import proto
 from splitserve.discovery import server_list
 from splitserve.natsserver import nats_server_binary
+from splitserve.proto import Heartbeat, Subjects
 from splitserve.stackproc import StackProc, start_stack
 
 pytestmark = pytest.mark.slow

@@ -41,17 +41,19 @@ def _spawn(name: str, url: str, logs: Path) -> subprocess.Popen[bytes]:
     common = ["--drain-timeout-s", DRAIN_S]
     if role == "router":
         # prompts of >= 12 tokens go through a prefiller, shorter ones straight to a decoder: both paths run
-        return spawn_service("services.router", "--disagg-threshold", "12", "--max-stall-ms", "0",
+        return spawn_service("splitserve.services.router", "--disagg-threshold", "12", "--max-stall-ms", "0",
                              "--queue-ack-wait-s", "3", "--no-worker-wait-s", "10", *common, nats_url=url,
                              worker_id=name, log_dir=logs)
     if role in ("decode", "prefill"):
-        return spawn_service(f"services.{role}", "--engine", "mock", "--transport", "tcp", *common, nats_url=url,
+        return spawn_service(f"splitserve.services.{role}", "--engine", "mock", "--transport", "tcp", *common,
+                             nats_url=url,
                              worker_id=name, log_dir=logs,
                              env=dict(os.environ, SPLITSERVE_MOCK_STEP_MS="15", SPLITSERVE_MOCK_PREFILL_TPS="2000"))
     if role == "cache-index":
-        return spawn_service("services.cache_index", *common, nats_url=url, worker_id=name, log_dir=logs)
+        return spawn_service("splitserve.services.cache_index", *common, nats_url=url, worker_id=name, log_dir=logs)
     assert role == "frontend"
-    return spawn_service("services.frontend", "--port", "0", *common, nats_url=url, worker_id=name, log_dir=logs)
+    return spawn_service("splitserve.services.frontend", "--port", "0", *common, nats_url=url, worker_id=name,
+                         log_dir=logs)
 
 
 def _http_url(logs: Path, name: str, after: int = 0) -> str:

@@ -11,11 +11,10 @@ from pathlib import Path
 import nats
 import pytest
 
-import proto
-from proto import ErrorCode, StreamError
-from splitserve import errors
+from splitserve import errors, proto
 from splitserve.client import Client
 from splitserve.natsserver import NatsServer
+from splitserve.proto import ErrorCode, StreamError
 from tests.procs import spawn_service, stop, wait_ready
 
 pytestmark = pytest.mark.slow  # loads the tokenizer in a real router process
@@ -23,7 +22,7 @@ pytestmark = pytest.mark.slow  # loads the tokenizer in a real router process
 
 @pytest.fixture(scope="module")
 def router(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    p = spawn_service("services.router", "--no-worker-wait-s", "1.0", nats_url=nats_server.url,
+    p = spawn_service("splitserve.services.router", "--no-worker-wait-s", "1.0", nats_url=nats_server.url,
                       worker_id="router-t", log_dir=Path(tmp_path_factory.mktemp("logs")))
     try:
         asyncio.run(wait_ready(nats_server.url, ["router-t"], timeout=120))

@@ -85,6 +85,6 @@ def test_decoder_refuses_an_unknown_pool() -> None:
     import subprocess
     import sys
 
-    cp = subprocess.run([sys.executable, "-m", "services.decode", "--pool", "huge", "--nats-url",
+    cp = subprocess.run([sys.executable, "-m", "splitserve.services.decode", "--pool", "huge", "--nats-url",
                          "nats://127.0.0.1:1"], capture_output=True, text=True, timeout=120)
     assert cp.returncode == 2 and "--pool" in cp.stderr and "general, long" in cp.stderr, cp.stderr

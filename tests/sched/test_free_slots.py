@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
-import proto
-from services.router.service import RouterService
+from splitserve import proto
+from splitserve.services.router.service import RouterService
 
 
 def _hb(seq: int, active: int, ids: list[str]) -> proto.Heartbeat:

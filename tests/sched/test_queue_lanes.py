@@ -11,11 +11,11 @@ from typing import Any
 
 from nats.errors import TimeoutError as NatsTimeout
 
-import proto
-from proto import GenerateRequest, QueuedRequest, SamplingParams
-from services.router.workqueue import LANE_CREATE_TIMEOUT_S, WorkQueue
+from splitserve import proto
 from splitserve.natsserver import NatsServer
+from splitserve.proto import GenerateRequest, QueuedRequest, SamplingParams
 from splitserve.runtime.bus import Bus
+from splitserve.runtime.workqueue import LANE_CREATE_TIMEOUT_S, WorkQueue
 
 
 def _queued(tenant: str, rid: str) -> QueuedRequest:

@@ -22,12 +22,11 @@ from pathlib import Path
 import nats
 import pytest
 
-import proto
-from proto import StreamError, StreamFinal
-from splitserve import errors
+from splitserve import errors, proto
 from splitserve.client import Client, Result
 from splitserve.natsserver import NatsServer
 from splitserve.ops import queue_report, read_usage, sum_usage
+from splitserve.proto import StreamError, StreamFinal
 from tests.procs import spawn_service, stop, wait_ready
 
 pytestmark = pytest.mark.slow
@@ -52,7 +51,7 @@ def _mock_speed(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _spawn_router(url: str, logs: Path, tenants: Path, worker_id: str = "router-q"):  # type: ignore[no-untyped-def]
-    return spawn_service("services.router", "--tenants", str(tenants), "--disagg-threshold", "1000000000",
+    return spawn_service("splitserve.services.router", "--tenants", str(tenants), "--disagg-threshold", "1000000000",
                          "--queue-ack-wait-s", "3", nats_url=url, worker_id=worker_id, log_dir=logs)
 
 
@@ -60,7 +59,8 @@ def _spawn_decoder(url: str, logs: Path, worker_id: str, max_batch: int = 4,  # 
                    step_ms: int | None = None):
     # step_ms: the mock engine's time per decode step for this worker (default: the environment's)
     env = None if step_ms is None else dict(os.environ, SPLITSERVE_MOCK_STEP_MS=str(step_ms))
-    return spawn_service("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", str(max_batch),
+    return spawn_service("splitserve.services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch",
+                         str(max_batch),
                          nats_url=url, worker_id=worker_id, log_dir=logs, env=env)
 
 

@@ -14,9 +14,9 @@ import types
 import pytest
 from opentelemetry import trace
 
-import proto
-import services.router.service as service_mod
-from services.router.service import RouterService, _Rate
+import splitserve.services.router.service as service_mod
+from splitserve import proto
+from splitserve.services.router.service import RouterService, _Rate
 from tests.recording_bus import RecordingBus
 
 

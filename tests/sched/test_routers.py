@@ -24,13 +24,12 @@ from pathlib import Path
 import nats
 import pytest
 
-import proto
-from proto import Accepted, GenerateRequest, SamplingParams, StreamError, StreamFinal, Subjects
-from splitserve import errors
+from splitserve import errors, proto
 from splitserve.client import Client, Result
 from splitserve.discovery import server_list
 from splitserve.natsserver import NatsServer
 from splitserve.ops import read_usage, sum_usage
+from splitserve.proto import Accepted, GenerateRequest, SamplingParams, StreamError, StreamFinal, Subjects
 from tests.procs import heartbeat_of, spawn_service, stop, wait_ready
 
 pytestmark = pytest.mark.slow
@@ -62,9 +61,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
     tenants.write_text(TENANTS)
     mp = pytest.MonkeyPatch()
     mp.setenv("SPLITSERVE_MOCK_STEP_MS", "4")  # inherited by the worker processes
-    procs = [spawn_service("services.router", "--tenants", str(tenants), "--disagg-threshold", "1000000000",
+    procs = [spawn_service("splitserve.services.router", "--tenants", str(tenants), "--disagg-threshold", "1000000000",
                            "--queue-ack-wait-s", "3", nats_url=srv.url, worker_id=r, log_dir=logs) for r in ROUTERS]
-    procs += [spawn_service("services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", "4",
+    procs += [spawn_service("splitserve.services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch", "4",
                             nats_url=srv.url, worker_id=d, log_dir=logs) for d in DECODERS]
     mp.undo()
     try:

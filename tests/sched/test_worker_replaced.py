@@ -9,9 +9,9 @@ import types
 import pytest
 from opentelemetry import trace
 
-import proto
-import services.router.service as service_mod
-from services.router.service import RouterService
+import splitserve.services.router.service as service_mod
+from splitserve import proto
+from splitserve.services.router.service import RouterService
 from tests.recording_bus import RecordingBus
 
 

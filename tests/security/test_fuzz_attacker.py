@@ -42,8 +42,9 @@ from hypothesis import strategies as st
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-import proto
-from proto import (
+from splitserve import errors, proto
+from splitserve.client import Client
+from splitserve.proto import (
     CancelRequest,
     DispatchNote,
     ErrorCode,
@@ -63,9 +64,7 @@ from proto import (
     Usage,
     WorkerLoad,
 )
-from proto.admin import RouteExplainRequest
-from splitserve import errors
-from splitserve.client import Client
+from splitserve.proto.admin import RouteExplainRequest
 from splitserve.runtime.bus import Bus, PermissionDenied
 from splitserve.stackproc import StackProc, start_stack
 from splitserve.tenancy.natsauth import read_admin_credentials, tenant_inbox

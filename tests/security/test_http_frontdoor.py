@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from services.frontend.app import MAX_SESSION_ID_CHARS, AuthThrottle
 from splitserve.natsserver import NatsServer
+from splitserve.services.frontend.app import MAX_SESSION_ID_CHARS, AuthThrottle
 from tests.frontend.test_service import MODEL, FakeCluster, cluster, frontend, until
 
 __all__ = ["cluster"]  # the fixture, re-used from the front door's own service tests
@@ -119,7 +119,7 @@ async def test_a_key_is_compared_exactly(nats_server: NatsServer) -> None:
 def test_a_keys_file_with_a_short_key_is_refused(tmp_path: Path) -> None:
     keys = tmp_path / "keys.yaml"
     keys.write_text(f"{KEY_A}: acme\nsk-short-1: globex\n")
-    cp = subprocess.run([sys.executable, "-m", "services.frontend", "--api-keys", str(keys), "--port", "0",
+    cp = subprocess.run([sys.executable, "-m", "splitserve.services.frontend", "--api-keys", str(keys), "--port", "0",
                          "--nats-url", "nats://127.0.0.1:1"], capture_output=True, text=True, timeout=60)
     assert cp.returncode == 2, cp.stderr  # a usage error, before anything starts
     out = " ".join((cp.stdout + cp.stderr).split())  # rich wraps the message in a box
@@ -272,7 +272,8 @@ async def test_slow_header_senders_are_cut_off(nats_server: NatsServer) -> None:
 
 
 def test_cli_documents_the_new_options() -> None:
-    cp = subprocess.run([sys.executable, "-m", "services.frontend", "--help"], capture_output=True, text=True,
+    cp = subprocess.run([sys.executable, "-m", "splitserve.services.frontend", "--help"], capture_output=True,
+                        text=True,
                         timeout=60, env={"COLUMNS": "200", "PATH": "", "TERM": "dumb"})
     text = cp.stdout
     for flag in ("--metrics-port", "--metrics-host", "--docs", "--limit-concurrency", "--per-key-concurrency",

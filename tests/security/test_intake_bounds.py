@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proto import ChatMessage, GenerateRequest
-from services.router.service import OPEN_MODE_MAX_TENANTS, RouterService
-from services.router.tokenize import PromptTokenizer
+from splitserve.proto import ChatMessage, GenerateRequest
+from splitserve.services.router.service import OPEN_MODE_MAX_TENANTS, RouterService
+from splitserve.services.router.tokenize import PromptTokenizer
 
 
 @pytest.fixture(scope="module")

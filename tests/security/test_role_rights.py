@@ -21,10 +21,10 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.js.api import KeyValueConfig, ObjectStoreConfig, StreamConfig
 
-import proto
-from proto import Accepted, Subjects
+from splitserve import proto
 from splitserve.natsserver import NatsServer, start_nats
 from splitserve.ops import read_usage
+from splitserve.proto import Accepted, Subjects
 from splitserve.runtime.jetstream import ensure_bucket, ensure_stream
 from splitserve.tenancy.config import TenantsConfig
 from splitserve.tenancy.natsauth import (
@@ -323,9 +323,9 @@ async def test_router_cannot_speak_for_workers_or_drop_streams(server: NatsServe
 
 async def test_router_does_its_job(server: NatsServer, admin: NATS, conns: list[Conn]) -> None:
     """The router's own JetStream code: the work queue and a lane, the request registry, a quota bucket."""
-    from services.router.shared import RequestRegistry
-    from services.router.workqueue import WorkQueue
     from splitserve.runtime.bus import Bus
+    from splitserve.runtime.workqueue import WorkQueue
+    from splitserve.services.router.shared import RequestRegistry
 
     r = await _as(server, conns, "router")
     bus = await Bus.connect(server.url, "router:test", user=service_user("router"), password=SECRETS["router"],

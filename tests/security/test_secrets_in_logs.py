@@ -67,7 +67,7 @@ def test_refused_service_password_stays_out_of_its_log(auth_nats: NatsServer) ->
     """The cache index given a password the server refuses: it dies logging the uncaught NotAuthorized, whose
     traceback runs through Bus.connect(password=...) and Service.run; the password is nowhere in the output."""
     wrong = "wrong-" + secrets.token_hex(12)
-    proc = subprocess.run([sys.executable, "-m", "services.cache_index", "--nats-url", auth_nats.url,
+    proc = subprocess.run([sys.executable, "-m", "splitserve.services.cache_index", "--nats-url", auth_nats.url,
                            "--worker-id", "cache-index-0"], cwd=ROOT, env=_env(wrong), capture_output=True,
                           text=True, timeout=120)
     out = proc.stdout + proc.stderr
@@ -158,7 +158,7 @@ def test_front_door_api_key_stays_out_of_its_log(auth_nats: NatsServer, tmp_path
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({key: "acme"}))
     logf = tmp_path / "frontend.log"
-    cmd = [sys.executable, "-m", "services.frontend", "--nats-url", auth_nats.url, "--port", "0",
+    cmd = [sys.executable, "-m", "splitserve.services.frontend", "--nats-url", auth_nats.url, "--port", "0",
            "--api-keys", str(keys), "--log-level", "DEBUG"]
     with open(logf, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(GOOD_PW), stdout=out, stderr=subprocess.STDOUT)

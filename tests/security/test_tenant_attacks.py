@@ -27,9 +27,9 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-import proto
-from proto import ErrorCode, GenerateRequest, SamplingParams, StreamError
+from splitserve import proto
 from splitserve.client import Client
+from splitserve.proto import ErrorCode, GenerateRequest, SamplingParams, StreamError
 from splitserve.stackproc import StackProc, start_stack
 from splitserve.tenancy.natsauth import read_admin_credentials, tenant_inbox
 

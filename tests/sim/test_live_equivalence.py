@@ -2,7 +2,7 @@
 
 A small trace (shared prefixes, real token ids, two tenants) runs through the simulator with ``record=True``;
 its router inputs - every heartbeat, KV event batch, dispatch and finish, at simulated times - are then fed to
-a real :class:`services.router.service.RouterService` (its own ``on_heartbeat`` / ``on_kv_events`` /
+a real :class:`splitserve.services.router.service.RouterService` (its own ``on_heartbeat`` / ``on_kv_events`` /
 ``on_finished`` / ``_route`` handlers, its registry, its policy from ``make_policy``), with its clock set to
 the simulated time and a bus that records what it would publish. Each routing decision it publishes must be
 the simulator's, candidate scores included.
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from opentelemetry import trace
 
-import proto
-import services.router.service as service_mod
-from services.router.service import RouterService
+import splitserve.services.router.service as service_mod
+from splitserve import proto
+from splitserve.services.router.service import RouterService
 from splitserve.sim import SimConfig, synthetic
 from splitserve.sim.cluster import Sim
 from splitserve.sim.latency import StepFit

@@ -20,7 +20,7 @@ import random
 from array import array
 from typing import Any
 
-import proto
+from splitserve import proto
 from splitserve.sim import SimConfig, SimRequest, synthetic
 from splitserve.sim.cluster import Sim
 from splitserve.sim.latency import StepFit

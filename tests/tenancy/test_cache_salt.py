@@ -12,10 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from opentelemetry import trace
 
-import proto
-from services.router import explain as explain_mod
-from services.router.service import RouterService
+from splitserve import proto
 from splitserve.cache import BlockStored, KvEventBatch, hash_token_blocks
+from splitserve.services.router import explain as explain_mod
+from splitserve.services.router.service import RouterService
 from splitserve.tenancy import MAX_REQUEST_CACHE_SALT, TenantsConfig, combine_cache_salt, load_tenants
 from tests.recording_bus import RecordingBus
 

@@ -15,11 +15,10 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.js.api import StreamConfig
 
-import proto
-from proto import Accepted, ErrorCode, StreamError
-from splitserve import errors
+from splitserve import errors, proto
 from splitserve.client import Client
 from splitserve.natsserver import NatsServer, start_nats
+from splitserve.proto import Accepted, ErrorCode, StreamError
 from splitserve.runtime.bus import Bus
 from splitserve.tenancy.config import TenantsConfig
 from splitserve.tenancy.natsauth import SERVICE_ROLES, nats_auth_config, service_inbox, service_user, tenant_inbox

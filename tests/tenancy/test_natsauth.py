@@ -147,7 +147,7 @@ def test_service_inboxes_cannot_be_a_tenants() -> None:
 
 
 def test_stream_names_match_the_services() -> None:
-    from services.cache_index.service import BUCKET, STREAM
     from splitserve.obs.tracing import TRACE_STREAM
+    from splitserve.services.cache_index.service import BUCKET, STREAM
 
     assert (KV_EVENTS_STREAM, INDEX_STORE, TRACES_STREAM) == (STREAM, BUCKET, TRACE_STREAM)

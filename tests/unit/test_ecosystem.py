@@ -16,13 +16,22 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-from proto import GenerateRequest, Heartbeat, RequestFinished, Route, SamplingParams, Timings, Usage, WorkerLoad
-from services.common.sampling import engine_sampling
 from splitserve.engines.base import Sampling
 from splitserve.engines.detok import StopChecker
 from splitserve.engines.model_files import ModelNotFound, resolve_model
 from splitserve.engines.sampling import sample_logprobs
 from splitserve.obs.metrics import ClusterMetrics
+from splitserve.proto import (
+    GenerateRequest,
+    Heartbeat,
+    RequestFinished,
+    Route,
+    SamplingParams,
+    Timings,
+    Usage,
+    WorkerLoad,
+)
+from splitserve.services.common.sampling import engine_sampling
 
 
 def _samples(m: ClusterMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -150,7 +159,7 @@ def test_mock_logprobs_are_honest() -> None:
 
 
 def test_plain_text_prompts_get_bos_when_the_tokenizer_adds_one() -> None:
-    from services.router.tokenize import PromptTokenizer
+    from splitserve.services.router.tokenize import PromptTokenizer
 
     t = PromptTokenizer(None)
     req = GenerateRequest(request_id="r", tenant="t", prompt="Hello")
@@ -241,7 +250,7 @@ def test_vllm_workers_serve_their_own_registry(monkeypatch: pytest.MonkeyPatch) 
     import httpx2
     from prometheus_client import REGISTRY, Counter
 
-    from services.common.vllm_worker import METRICS_PORT_ENV, serve_vllm_metrics
+    from splitserve.services.common.vllm_worker import METRICS_PORT_ENV, serve_vllm_metrics
 
     class Log:
         def __init__(self) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from proto import ErrorCode, Heartbeat, RequestFinished, Route, Timings, Usage, WorkerLoad
 from splitserve.obs.metrics import ClusterMetrics
+from splitserve.proto import ErrorCode, Heartbeat, RequestFinished, Route, Timings, Usage, WorkerLoad
 
 
 def _samples(m: ClusterMetrics, now: float = 0.0) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

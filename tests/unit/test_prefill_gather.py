@@ -1,4 +1,4 @@
-"""The prefill worker's batch gathering (services.prefill.service.PrefillGather): the jobs started together
+"""The prefill worker's batch gathering (splitserve.services.prefill.service.PrefillGather): the jobs started together
 make one engine call once all of them have called or dropped out; a slow one does not hold the rest back."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import torch
 
-from services.prefill.service import BatchItem, PrefillGather
 from splitserve.engines import PrefillResult, PromptTooLong, Sampling
+from splitserve.services.prefill.service import BatchItem, PrefillGather
 
 GREEDY = Sampling()
 

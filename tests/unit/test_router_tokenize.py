@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proto import GenerateRequest
-from proto.messages import ChatMessage
-from services.router.tokenize import PromptTokenizer
+from splitserve.proto import GenerateRequest
+from splitserve.proto.messages import ChatMessage
+from splitserve.services.router.tokenize import PromptTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ from unittest import mock
 
 import pytest
 
-from proto import Heartbeat
-from services.common.options import parse_cpus
+from splitserve.proto import Heartbeat
 from splitserve.runtime.registry import WorkerRegistry
+from splitserve.services.common.options import parse_cpus
 from splitserve.stack import Stack, StackConfig
 
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from services.common.vllm_kv import VllmKvBridge
 from splitserve.cache.hashing import hash_token_blocks
+from splitserve.services.common.vllm_kv import VllmKvBridge
 from tests.vllm.conftest import needs_vllm
 
 pytestmark = needs_vllm

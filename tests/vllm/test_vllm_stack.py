@@ -87,10 +87,10 @@ def test_cache_index_holds_vllm_blocks(stack: StackProc) -> None:
     """The cache index learnt the decoders' blocks from vLLM's own events (ss.kv.decode-N)."""
     import nats
 
-    import proto
-    from proto import CacheQuery, CacheQueryReply, Subjects
+    from splitserve import proto
     from splitserve.cache.hashing import hash_token_blocks
     from splitserve.engines.hf import HfEngine
+    from splitserve.proto import CacheQuery, CacheQueryReply, Subjects
     from splitserve.tenancy import TenantsConfig
 
     ids = HfEngine.load(dtype="float32").encode(LONG)

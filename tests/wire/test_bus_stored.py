@@ -14,9 +14,9 @@ import time
 import nats
 from nats.js.api import StreamConfig
 
-import proto
-from proto import StreamFinal, Subjects
+from splitserve import proto
 from splitserve.natsserver import NatsServer
+from splitserve.proto import StreamFinal, Subjects
 from splitserve.runtime.bus import Bus
 
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import proto
-from proto import ErrorCode, GenerateRequest, ProtocolError, StreamDelta, StreamError, StreamFinal, Subjects
+from splitserve import proto
+from splitserve.proto import ErrorCode, GenerateRequest, ProtocolError, StreamDelta, StreamError, StreamFinal, Subjects
 
 
 def _req(**kw: object) -> GenerateRequest:
@@ -90,9 +90,27 @@ def test_subjects_reject_injection() -> None:
             Subjects.request(bad)
 
 
+def test_queue_lanes_are_named_by_the_contract() -> None:
+    # the routers' work queue and `splitserve k8s` (lanes, KEDA's scaler) both name lanes from here
+    assert [Subjects.priority_class(p) for p in (-1, 0, 3, 4, 7, 8, 9, 99)] == [0, 0, 0, 1, 1, 2, 2, 2]
+    assert Subjects.QUEUE_CLASSES == 3
+    assert (Subjects.queue("acme", 1), Subjects.queue_consumer("acme", 1)) == ("ss.q.acme.p1", "dispatch_acme_p1")
+    for bad in ["a.b", "*", ">", "a b", ""]:
+        with pytest.raises(ValueError):
+            Subjects.queue_consumer(bad, 0)
+
+
 def test_router_replica_messages_round_trip_and_subjects() -> None:
-    from proto import DispatchNote, FairShareReport, QueuedRequest, RequestRecord, TenantUsage, decode, encode
-    from proto.subjects import Subjects
+    from splitserve.proto import (
+        DispatchNote,
+        FairShareReport,
+        QueuedRequest,
+        RequestRecord,
+        TenantUsage,
+        decode,
+        encode,
+    )
+    from splitserve.proto.subjects import Subjects
 
     rec = RequestRecord(request_id="r1", tenant="t", state="queued", stream_subject="ss.stream.t.r1",
                         prompt_tokens=5, max_tokens=8, accepted_by="router-0")

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-import proto
-from proto import DecodeJob, ErrorCode, JobBounced, RevokeJob, RevokeReply, Route, SamplingParams, Subjects
+from splitserve import proto
+from splitserve.proto import DecodeJob, ErrorCode, JobBounced, RevokeJob, RevokeReply, Route, SamplingParams, Subjects
 
 
 def _job(**kw: object) -> DecodeJob:

@@ -37,9 +37,9 @@ from nats.js.api import (
 )
 from nats.js.errors import NotFoundError
 
-import proto
-from proto import QueuedRequest, Subjects
+from splitserve import proto
 from splitserve.obs import tracing
+from splitserve.proto import QueuedRequest, Subjects
 from splitserve.runtime.bus import Bus
 from splitserve.runtime.jetstream import ensure_stream, replicas_for
 
@@ -48,7 +48,7 @@ log = structlog.get_logger("splitserve.router.queue")
 # tries again, so an unanswered attempt holds dispatch for this long, not for nats-py's default 5 s.
 LANE_CREATE_TIMEOUT_S = 1.0
 
-NUM_CLASSES = 3  # priority 0-3 -> p0, 4-7 -> p1, 8-9 -> p2
+NUM_CLASSES = Subjects.QUEUE_CLASSES  # the lanes' naming is the contract's (proto.subjects)
 PULL_TIMEOUT_S = 2.0  # a no-wait pull is answered at once; this only bounds a lost answer
 _CLASS_TOKENS = frozenset(f"p{k}" for k in range(NUM_CLASSES))  # the last token of a lane's subject
 
@@ -86,12 +86,8 @@ async def pull_now(sub: JetStreamContext.PullSubscription, want: int) -> list[Ms
     return msgs
 
 
-def priority_class(priority: int) -> int:
-    return min(NUM_CLASSES - 1, max(0, priority) // 4)
-
-
-def _consumer_name(tenant: str, klass: int) -> str:
-    return f"dispatch_{tenant}_p{klass}"
+priority_class = Subjects.priority_class
+consumer_name = Subjects.queue_consumer
 
 
 @dataclass
@@ -176,7 +172,7 @@ class WorkQueue:
         async with self._lane_lock:
             lane = self._lanes.get(key)
             if lane is None:
-                name = _consumer_name(tenant, klass)
+                name = consumer_name(tenant, klass)
                 cfg = ConsumerConfig(durable_name=name, filter_subject=Subjects.queue(tenant, klass),
                                      ack_policy=AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s, max_deliver=-1,
                                      deliver_policy=DeliverPolicy.ALL, max_ack_pending=100_000)
