@@ -32,6 +32,9 @@ def main(
                                                "would stall them; its prefiller keeps the prompt's prefix)"),
     pool: str = typer.Option("general", help="context pool: 'long' decoders take the prompts of at least the "
                              "router's --long-prompt-tokens, so they never slow the general pool's streams"),
+    handoff_grace_s: float = typer.Option(20.0, min=1.0, help="a KV reservation whose KV landed this long ago "
+                                          "without its prefiller's hand-off is dropped (the routers move the "
+                                          "request) instead of held for its 300 s lease"),
     log_level: str = cli.LogLevel,
     drain_timeout_s: float = cli.DrainTimeout,
     kv_connector: str = cli.KvConnector,
@@ -66,7 +69,8 @@ def main(
     run_service(DecodeService(worker_id, nats_url, opts=opts, landing_tokens=landing_tokens,
                               max_batch=max_batch, cache_tokens=cache_tokens, l1_tokens=l1_tokens,
                               prefill_chunk=prefill_chunk, max_retire_copy_tokens=max_retire_copy_tokens,
-                              pool=pool, log_level=log_level, drain_timeout_s=drain_timeout_s))
+                              pool=pool, log_level=log_level, drain_timeout_s=drain_timeout_s,
+                              handoff_grace_s=handoff_grace_s))
 
 
 if __name__ == "__main__":

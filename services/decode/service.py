@@ -65,6 +65,10 @@ from splitserve.services.common.sampling import engine_sampling, wire_logprob
 
 # hand_over waits this long for the engine loop to finish the step it is in before cancelling it.
 HAND_OVER_STEP_S = 2.0
+# A reservation whose KV landed this long ago with no hand-off (the prefiller sends it at once, and again while
+# unanswered: handoff.TRIES x ACK_TIMEOUT_S = 8 s) never gets one: it is dropped and no longer listed, so the
+# routers move the request (their orphan check) instead of it waiting out the 300 s lease.
+HANDOFF_GRACE_S = 20.0
 
 
 @dataclass
@@ -74,6 +78,7 @@ class Reservation:
     block_ids: list[int]
     num_tokens: int
     expires: float
+    landed: float | None = None  # when its KV had all landed (the prefiller's hand-off follows at once)
 
 
 @dataclass
@@ -122,6 +127,7 @@ class DecodeService(Service):
         # lease must outlast the slowest prefill of a max-length prompt, or a late push could land in blocks
         # already leased to someone else.
         lease_s: float = 300.0,
+        handoff_grace_s: float = HANDOFF_GRACE_S,
         cache_tokens: int = 8192,
         l1_tokens: int = 0,
         prefill_chunk: int = 256,
@@ -143,6 +149,7 @@ class DecodeService(Service):
         self.landing_tokens = landing_tokens
         self.max_batch = max_batch
         self.lease_s = lease_s
+        self.handoff_grace_s = handoff_grace_s
         self.pending: deque[Admission] = deque()
         self.active: dict[str, Sequence] = {}
         self.reservations: dict[str, Reservation] = {}
@@ -323,8 +330,9 @@ class DecodeService(Service):
             await self.b.respond(msg, KvReserveReply(request_id=req.request_id, ok=False, retry_after_ms=50.0))
             return
         tid = uuid.uuid4().hex
-        self.reservations[tid] = Reservation(tid, req.key, blocks, req.num_tokens,
-                                             time.monotonic() + self.lease_s)
+        res = self.reservations[tid] = Reservation(tid, req.key, blocks, req.num_tokens,
+                                                   time.monotonic() + self.lease_s)
+        self.b.spawn(self._watch_landing(res))
         desc = self.receiver.descriptor(blocks)
         await self.b.respond(msg, KvReserveReply(request_id=req.request_id, ok=True, transfer_id=tid,
                                                  block_ids=blocks, descriptor=desc,
@@ -404,6 +412,11 @@ class DecodeService(Service):
                                       first_logprob=done.first_logprob))
         self._wake.set()
 
+    async def _watch_landing(self, res: Reservation) -> None:
+        with contextlib.suppress(Exception):  # not landed within the lease: the sweeper's business
+            await self.receiver.wait(res.transfer_id, timeout=self.lease_s)
+            res.landed = time.monotonic()
+
     async def _lease_sweeper(self) -> None:
         while True:
             await asyncio.sleep(1.0)
@@ -413,6 +426,13 @@ class DecodeService(Service):
                     self.reservations.pop(tid, None)
                     self.pool.free(res.block_ids)
                     self.log.warning("reservation_expired", request=res.key, transfer_id=tid)
+                elif res.landed is not None and now - res.landed > self.handoff_grace_s:
+                    # The hand-off never came (lost every time, or its prefiller died right after the push).
+                    # A late one still finds no reservation and prefills here (on_kv_ready): nothing is lost.
+                    self.reservations.pop(tid, None)
+                    self.pool.free(res.block_ids)
+                    self.log.warning("handoff_missing", request=res.key, transfer_id=tid,
+                                     landed_s_ago=round(now - res.landed, 1))
 
     # --- the engine loop ------------------------------------------------------------------------------
     async def _engine_loop(self) -> None:

@@ -111,6 +111,10 @@ REGISTRY_WARMUP_S = 1.5  # three heartbeat intervals
 LOST_JOB_S = 2.0
 # ... or when no worker reports it at all within this long (sent to a worker that stopped just then).
 UNCONFIRMED_S = 5.0
+# A job its workers did list is orphaned when none of them has listed it for this long while its holder kept
+# heartbeating (about ten beats without it): a hand-off its decoder never got (see the decoder's
+# HANDOFF_GRACE_S), or any other message lost after the job arrived. It is moved like a lost job.
+ORPHAN_S = 5.0
 FAIR_REPORT_S = 0.25  # how often a router tells the others what it charged each tenant
 RECONCILE_S = 10.0  # how often a router checks old quota reservations against the request registry
 RECONCILE_AFTER_S = 30.0  # reservations younger than this are never questioned (their intake may be running)
@@ -174,6 +178,7 @@ class Inflight:
     started: bool = False  # the current attempt's decoder has produced output
     migrating: bool = False
     confirmed: bool = False  # a worker of the current attempt reported it (heartbeat or stream): the job arrived
+    listed_at: float = field(default_factory=lambda: time.monotonic())  # a worker of this attempt last listed it
     cancelled: bool = False  # a cancel arrived (it may have reached no worker while the request moved)
     sub: Any = None  # the stream subscription
 
@@ -324,7 +329,8 @@ class RouterService(Service):
 
     # --- heartbeats and failure detection ------------------------------------------------------------
     async def on_heartbeat(self, hb: Heartbeat, _: Msg) -> None:
-        self.registry.observe(hb, time.monotonic())
+        now = time.monotonic()
+        self.registry.observe(hb, now)
         if hb.role == "decode":
             # A request whose end arrived before this heartbeat is listed only until its end is stored (not in
             # the load figures): it cannot end again here.
@@ -338,6 +344,7 @@ class RouterService(Service):
                     continue
                 if hb.worker_id in (inf.decoder, inf.prefiller):
                     inf.confirmed = True
+                    inf.listed_at = now
                 if hb.role == "decode" and inf.decoder == hb.worker_id:
                     inf.holder = hb.worker_id  # a request handed from prefiller to decoder is the decoder's now
                 self.policy.release(key, hb.worker_id)  # this worker's own load report now counts it
@@ -463,6 +470,23 @@ class RouterService(Service):
             reason = (f"no worker reported job attempt {inf.attempt} (sent to {inf.holder}; lost in transit: "
                       "a NATS node died with it in flight, or its worker stopped just then)")
             self.log.warning("job_lost_in_transit", request_id=inf.request_id, worker=inf.holder)
+            self.b.spawn(self._migrate(inf, inf.attempt, reason, inf.holder, decoder_failed=False))
+        for inf in [i for i in self.inflight.values() if i.confirmed and not i.migrating]:
+            listed = max(inf.listed_at, self.b.last_reconnect)
+            if now - listed < ORPHAN_S:
+                continue
+            st = self.registry.workers.get(inf.holder)
+            if st is None or st.last_seen < listed + ORPHAN_S / 2:
+                continue  # its holder is not heard from either: whether it died is the registry's call
+            inf.listed_at = now  # checked once per window
+            done = await self.wq.finished_record(inf.tenant, inf.request_id)
+            if done is not None:
+                await self.on_finished(done, None)  # type: ignore[arg-type]
+                continue
+            reason = (f"job attempt {inf.attempt} orphaned: {inf.holder} heartbeats without it for "
+                      f"{now - listed:.0f}s (a hand-off or another message lost after the job arrived)")
+            self.log.warning("job_orphaned", request_id=inf.request_id, worker=inf.holder,
+                             quiet_s=round(now - listed, 1))
             self.b.spawn(self._migrate(inf, inf.attempt, reason, inf.holder, decoder_failed=False))
 
     async def _fail(self, inf: Inflight, code: ErrorCode, message: str, worker: str | None = None) -> None:
@@ -647,7 +671,7 @@ class RouterService(Service):
             start_seq=inf.next_seq, route=route, decoder_id=decision.decoder, prefill_worker=decision.prefiller,
             routed_ms=now_ms(), decision=ddict, cache_salt=salt))
         inf.job, inf.attempt, inf.started, inf.confirmed = job, attempt + 1, False, False
-        inf.routed_at = inf.sent_at = time.monotonic()
+        inf.routed_at = inf.sent_at = inf.listed_at = time.monotonic()
         inf.decoder, inf.prefiller = decision.decoder, decision.prefiller
         inf.holder = decision.prefiller or decision.decoder
         tracing.set_attrs(sp, migrated=True, route=str(route.value), decoder=decision.decoder,

@@ -107,3 +107,78 @@ async def test_a_decoder_answers_every_copy_and_runs_the_request_once(fresh_nats
     assert len(finals) == 1, finals
     lines = [json.loads(x) for x in (logs / "decode-h.log").read_text().splitlines() if x.startswith("{")]
     assert sum(x.get("event") == "kv_unusable_prefilling_locally" for x in lines) == 1
+
+
+@pytest.mark.slow
+async def test_a_landed_reservation_whose_hand_off_never_comes_is_dropped(fresh_nats: NatsServer,
+                                                                          tmp_path: Path) -> None:
+    """The prefiller reserved and pushed the KV (it landed), then its hand-off never arrived (every copy lost, or
+    the prefiller died right after the push). The decoder used to hold and list the reservation for its 300 s
+    lease, so no router moved the request; it now drops it after ``--handoff-grace-s`` (its routers' orphan
+    check moves the request), and a hand-off that still comes later runs (prefilled locally): nothing lost."""
+    from splitserve.engines.mock import MockEngine
+    from splitserve.kv import BlockPool
+    from splitserve.kv.transport import make_sender
+    from splitserve.proto import Heartbeat, KvReserveReply, KvReserveRequest
+    from splitserve.services.common.kvcache import kv_layout
+
+    url, logs = fresh_nats.url, tmp_path / "logs"
+    procs: list[subprocess.Popen[bytes]] = [spawn_service(
+        "splitserve.services.decode", "--engine", "mock", "--transport", "tcp", "--handoff-grace-s", "2",
+        nats_url=url, worker_id="decode-g", log_dir=logs)]
+    key = proto.request_key("t", "g1")
+    listed: list[tuple[float, bool]] = []
+    finals: list[StreamFinal] = []
+    sender = None
+    try:
+        await wait_ready(url, ["decode-g"], timeout=180)
+        nc = await nats.connect(url)
+        loop = asyncio.get_running_loop()
+
+        async def on_hb(msg: Any) -> None:
+            listed.append((loop.time(), key in proto.decode(msg.data, Heartbeat).active_requests))
+
+        async def on_stream(msg: Any) -> None:
+            m = proto.decode_stream(msg.data)
+            if isinstance(m, StreamFinal):
+                finals.append(m)
+
+        try:
+            await nc.subscribe(Subjects.heartbeat("decode", "decode-g"), cb=on_hb)
+            await nc.subscribe("ss.stream.t.g1", cb=on_stream)
+            reply = proto.decode((await nc.request(Subjects.kv_reserve("decode-g"), proto.encode(KvReserveRequest(
+                request_id="g1", tenant="t", prefill_worker="prefill-g", num_tokens=5, transport="tcp")),
+                timeout=10)).data, KvReserveReply)
+            assert reply.ok and reply.transfer_id and reply.descriptor, reply
+            layout = kv_layout(MockEngine.load().info, 16)
+            sender = make_sender("tcp", BlockPool(layout, 4), push_timeout=30)
+            await sender.push(reply.transfer_id, [0], reply.descriptor)  # the KV lands; no hand-off follows
+            landed = loop.time()
+            for _ in range(100):  # listed, then dropped once the grace has passed
+                if listed and listed[-1][0] > landed and not listed[-1][1]:
+                    break
+                await asyncio.sleep(0.1)
+            assert any(on for t, on in listed if t > landed), listed  # held (and listed) while within the grace
+            gone = [t for t, on in listed if t > landed and not on]
+            assert gone, f"still listed {listed[-1][0] - landed:.1f}s after its KV landed (no hand-off)"
+            assert 2.0 <= gone[0] - landed < 6.0, gone[0] - landed
+            # the hand-off after all: answered, and the request runs (its KV was let go: prefilled here)
+            late = _done("decode-g", "g1", reply.transfer_id)
+            ack = proto.decode((await nc.request(Subjects.kv_ready("decode-g"), proto.encode(late), timeout=10)).data,
+                               PrefillDoneAck)
+            assert ack.transfer_id == reply.transfer_id
+            for _ in range(100):
+                if finals:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            await nc.close()
+    finally:
+        if sender is not None:
+            sender.close()
+        stop(*procs)
+    assert len(finals) == 1 and finals[0].finish_reason == "length", finals
+    events = [json.loads(x).get("event") for x in (logs / "decode-g.log").read_text().splitlines()
+              if x.startswith("{")]
+    assert events.count("handoff_missing") == 1 and "reservation_expired" not in events
+    assert events.count("kv_unusable_prefilling_locally") == 1

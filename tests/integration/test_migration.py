@@ -258,6 +258,73 @@ async def test_a_worker_lost_after_the_last_token_ends_the_request_complete(
         await nc.close()
 
 
+async def test_a_job_its_decoder_stops_listing_is_moved_not_left_waiting(
+        fresh_nats: NatsServer, tmp_path: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+    """A job its worker listed (so the router took it as arrived) and then silently dropped while heartbeating on:
+    a prefiller's hand-off that never reached the decoder (the decoder drops the landed reservation after its
+    grace), or any message lost after the job arrived. The router used to wait for it forever (or for the
+    decoder's 300 s lease); it now moves it once no worker has listed it for ORPHAN_S while its holder kept
+    beating. The decoder is the test itself, so that it can drop the first attempt at will; it serves the next."""
+    from splitserve.proto import DecodeJob, StreamDelta, StreamFinal, Subjects, Usage, WorkerLoad
+    from splitserve.services.router.service import ORPHAN_S
+
+    url, logs = fresh_nats.url, tmp_path / "logs"
+    procs.append(_router(url, logs, "router-o", "--disagg-threshold", "1000000000"))
+    nc = await nats.connect(url)
+    jobs: list[DecodeJob] = []
+    listed: list[str] = []
+
+    async def heartbeats() -> None:
+        seq = 0
+        while True:
+            seq += 1
+            hb = Heartbeat(worker_id="decode-o", role="decode", seq=seq, engine="mock", max_model_len=8192,
+                           active_requests=list(listed),
+                           load=WorkerLoad(max_seqs=8, free_blocks=1000, total_blocks=1000))
+            await nc.publish(Subjects.heartbeat("decode", "decode-o"), proto.encode(hb))
+            await asyncio.sleep(0.3)
+
+    async def drop_later(job: DecodeJob) -> None:
+        await asyncio.sleep(1.5)  # listed for a few beats: the router knows it arrived
+        listed.remove(job.key)  # ... and then gone, no final, the worker beating on
+
+    async def serve(msg: object) -> None:
+        job = proto.decode(msg.data, DecodeJob)  # type: ignore[attr-defined]
+        jobs.append(job)
+        listed.append(job.key)
+        if len(jobs) == 1:
+            asyncio.ensure_future(drop_later(job))
+            return
+        n = job.sampling.max_tokens
+        for i in range(n):
+            await nc.publish(job.stream_subject, proto.encode(StreamDelta(
+                request_id=job.request_id, seq=job.start_seq + i, token_ids=[2000 + i], text=f" t{i}")))
+        await nc.publish(job.stream_subject, proto.encode(StreamFinal(
+            request_id=job.request_id, seq=job.start_seq + n, token_ids=[2000 + i for i in range(n)],
+            text="".join(f" t{i}" for i in range(n)), finish_reason="length",
+            usage=Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=n), route=job.route,
+            prefill_worker=None, decode_worker="decode-o")))
+        listed.remove(job.key)
+
+    await nc.subscribe(Subjects.decode_job("decode-o"), cb=serve)
+    hb_task = asyncio.create_task(heartbeats())
+    try:
+        await wait_ready(url, ["router-o"], timeout=180)
+        await asyncio.sleep(1.0)  # the router has heard the decoder
+        t0 = time.monotonic()
+        async with Client(url, tenant="orphan", idle_timeout=60) as c:
+            result = await asyncio.wait_for(c.generate(PROMPT, max_tokens=3).collect(), 60)
+        took = time.monotonic() - t0
+    finally:
+        hb_task.cancel()
+        await nc.close()
+    assert [j.attempt for j in jobs] == [jobs[0].attempt, jobs[0].attempt + 1], [j.attempt for j in jobs]
+    assert result.token_ids == [2000, 2001, 2002] and result.finish_reason == "length"
+    assert took >= ORPHAN_S  # moved by the orphan check, not by anything faster
+    log = (logs / "router-o.log").read_text()
+    assert '"job_orphaned"' in log and '"job_lost_in_transit"' not in log, log[-3000:]
+
+
 async def test_requests_sent_to_a_just_killed_decoder_wait_for_a_live_one(
         fresh_nats: NatsServer, tmp_path: Path, procs: list[subprocess.Popen[bytes]]) -> None:
     """A decoder dies (SIGKILL: no "stopped" heartbeat). For up to the heartbeat timeout the router still takes it
