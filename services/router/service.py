@@ -450,9 +450,8 @@ class RouterService(Service):
                 self.log.warning("lost_job_check_failed", error=str(exc))
 
     async def _check_lost_jobs(self) -> None:
-        """Jobs lost in transit (see LOST_JOB_S, UNCONFIRMED_S): one that ended meanwhile is retired from its
-        stored RequestFinished (only its end notice was lost); the rest are sent again by the usual rules, as
-        one more attempt (``_migrate``)."""
+        """Jobs lost in transit (see LOST_JOB_S, UNCONFIRMED_S) and jobs orphaned after they arrived (ORPHAN_S):
+        each is settled or sent again by :meth:`_send_again`."""
         now = time.monotonic()
         for inf in [i for i in self.inflight.values() if not i.confirmed and not i.migrating]:
             sent = max(inf.routed_at, self.b.last_reconnect)
@@ -463,14 +462,9 @@ class RouterService(Service):
             if not heard and now - sent < UNCONFIRMED_S:
                 continue  # no heartbeat from its worker since: not known to be lost yet (a dead one is reaped)
             inf.routed_at = now  # checked once per window
-            done = await self.wq.finished_record(inf.tenant, inf.request_id)
-            if done is not None:
-                await self.on_finished(done, None)  # type: ignore[arg-type]
-                continue
-            reason = (f"no worker reported job attempt {inf.attempt} (sent to {inf.holder}; lost in transit: "
-                      "a NATS node died with it in flight, or its worker stopped just then)")
-            self.log.warning("job_lost_in_transit", request_id=inf.request_id, worker=inf.holder)
-            self.b.spawn(self._migrate(inf, inf.attempt, reason, inf.holder, decoder_failed=False))
+            await self._send_again(inf, "job_lost_in_transit", (
+                f"no worker reported job attempt {inf.attempt} (sent to {inf.holder}; lost in transit: "
+                "a NATS node died with it in flight, or its worker stopped just then)"))
         for inf in [i for i in self.inflight.values() if i.confirmed and not i.migrating]:
             listed = max(inf.listed_at, self.b.last_reconnect)
             if now - listed < ORPHAN_S:
@@ -479,15 +473,20 @@ class RouterService(Service):
             if st is None or st.last_seen < listed + ORPHAN_S / 2:
                 continue  # its holder is not heard from either: whether it died is the registry's call
             inf.listed_at = now  # checked once per window
-            done = await self.wq.finished_record(inf.tenant, inf.request_id)
-            if done is not None:
-                await self.on_finished(done, None)  # type: ignore[arg-type]
-                continue
-            reason = (f"job attempt {inf.attempt} orphaned: {inf.holder} heartbeats without it for "
-                      f"{now - listed:.0f}s (a hand-off or another message lost after the job arrived)")
-            self.log.warning("job_orphaned", request_id=inf.request_id, worker=inf.holder,
-                             quiet_s=round(now - listed, 1))
-            self.b.spawn(self._migrate(inf, inf.attempt, reason, inf.holder, decoder_failed=False))
+            await self._send_again(inf, "job_orphaned", (
+                f"job attempt {inf.attempt} orphaned: {inf.holder} heartbeats without it for "
+                f"{now - listed:.0f}s (a hand-off or another message lost after the job arrived)"),
+                quiet_s=round(now - listed, 1))
+
+    async def _send_again(self, inf: Inflight, event: str, reason: str, **fields: Any) -> None:
+        """A job no worker holds (lost in transit, or orphaned): retired from its stored RequestFinished if it
+        ended meanwhile (only its end notice was lost), else sent again as one more attempt (``_migrate``)."""
+        done = await self.wq.finished_record(inf.tenant, inf.request_id)
+        if done is not None:
+            await self.on_finished(done, None)  # type: ignore[arg-type]
+            return
+        self.log.warning(event, request_id=inf.request_id, worker=inf.holder, **fields)
+        self.b.spawn(self._migrate(inf, inf.attempt, reason, inf.holder, decoder_failed=False))
 
     async def _fail(self, inf: Inflight, code: ErrorCode, message: str, worker: str | None = None) -> None:
         self.inflight.pop(inf.key, None)
