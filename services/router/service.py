@@ -43,7 +43,7 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import structlog
@@ -88,7 +88,8 @@ from splitserve.proto import (
     now_ms,
 )
 from splitserve.routing import NoWorkers, RoutingRequest, WorkerView
-from splitserve.routing.live import build_router, decoder_free_slots, dispatch_batch, live_disagg, view_from_load
+from splitserve.routing.book import RECENT_ENDS_KEPT, Flight, Move, RequestBook
+from splitserve.routing.live import build_router, dispatch_batch, live_disagg, view_from_load
 from splitserve.runtime.bus import PayloadTooLarge, identity_refusal, reply_allowed
 from splitserve.runtime.jetstream import ensure_stream, replicas_for
 from splitserve.runtime.registry import WorkerRegistry
@@ -105,16 +106,6 @@ _REFUSAL_CODES = {"unknown_tenant": ErrorCode.UNKNOWN_TENANT, "quota_exceeded": 
                   "prompt_too_long": ErrorCode.PROMPT_TOO_LONG, "bad_request": ErrorCode.BAD_REQUEST}
 MAX_DELIVERIES = 5  # a request that took down this many routers is failed instead of tried again
 REGISTRY_WARMUP_S = 1.5  # three heartbeat intervals
-# A job is lost in transit when its worker heartbeats this long after it was sent (or after this router's
-# connection came back: what it published meanwhile was flushed then) without listing it: the NATS node between
-# them died with it in flight (workers list a request until its end is stored) ...
-LOST_JOB_S = 2.0
-# ... or when no worker reports it at all within this long (sent to a worker that stopped just then).
-UNCONFIRMED_S = 5.0
-# A job its workers did list is orphaned when none of them has listed it for this long while its holder kept
-# heartbeating (about ten beats without it): a hand-off its decoder never got (see the decoder's
-# HANDOFF_GRACE_S), or any other message lost after the job arrived. It is moved like a lost job.
-ORPHAN_S = 5.0
 FAIR_REPORT_S = 0.25  # how often a router tells the others what it charged each tenant
 RECONCILE_S = 10.0  # how often a router checks old quota reservations against the request registry
 RECONCILE_AFTER_S = 30.0  # reservations younger than this are never questioned (their intake may be running)
@@ -123,7 +114,6 @@ RECONCILE_AFTER_S = 30.0  # reservations younger than this are never questioned 
 INLINE_TOKENIZE_BYTES = 16_384  # prompts up to this size are tokenized on the event loop (~100 us)
 TOKENIZE_WAITING = 8  # large prompts tokenizing or waiting for the tokenizer thread at once; more: busy
 OPEN_MODE_MAX_TENANTS = 1024  # distinct tenant names served without a tenants file
-RECENT_ENDS_KEPT = 20_000  # ends remembered for the free-slot count (a heartbeat lags them by at most ~1 s)
 DROPPED_KEPT = 100_000  # requests ended in the queue, remembered until their queue message comes up
 
 
@@ -149,42 +139,19 @@ class _Rate:
         return len(self._t) / self.window_s
 
 
-@dataclass
-class Inflight:
-    request_id: str
-    tenant: str
-    stream_subject: str
-    decoder: str
-    prefiller: str | None
-    holder: str  # the worker currently responsible for the request
-    # (``time.monotonic()`` looked up when called: the simulator-equivalence and memory tests run this module on
-    # their own clock)
-    routed_at: float = field(default_factory=lambda: time.monotonic())  # moved on by the lost-job check
-    sent_at: float = field(default_factory=lambda: time.monotonic())  # its current attempt sent (or adopted)
+@dataclass(eq=False)
+class Inflight(Flight):
+    """A flight of the request book, with what this service needs to drive it (its book state: :class:`Flight`)."""
+
+    stream_subject: str = ""
     trace_ctx: SpanContext | None = None  # router.request's span: a later failure is recorded under it
     queue_msg: Msg | None = None  # its durable queue message, acked when the request ends
-    charged: int = 0  # tokens the fair scheduler charged at dispatch (settled at finish)
     record: RequestRecord | None = None  # its registry record (queue mode) and that record's revision
     record_rev: int = 0
-    # Migration state. ``job`` is the last job sent (None: adopted after a router restart, not movable);
-    # tokens/text/next_seq: what the caller has received, from the stream this router follows.
+    # ``job`` is the last job sent (None: adopted after a router restart, not movable)
     request: GenerateRequest | None = None
     job: DecodeJob | None = None
-    attempt: int = 0
-    tokens: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    next_seq: int = 0
-    tracked: bool = True  # False once a delta was missed: the tokens so far are not known exactly
-    started: bool = False  # the current attempt's decoder has produced output
-    migrating: bool = False
-    confirmed: bool = False  # a worker of the current attempt reported it (heartbeat or stream): the job arrived
-    listed_at: float = field(default_factory=lambda: time.monotonic())  # a worker of this attempt last listed it
-    cancelled: bool = False  # a cancel arrived (it may have reached no worker while the request moved)
     sub: Any = None  # the stream subscription
-
-    @property
-    def key(self) -> str:
-        return proto.request_key(self.tenant, self.request_id)
 
 
 class RouterService(Service):
@@ -225,7 +192,7 @@ class RouterService(Service):
         self.registry = WorkerRegistry()
         # Every map of requests is keyed by ``proto.request_key(tenant, id)``: an id is unique only within its
         # tenant, so tenant A using B's id (before or after B) must find nothing of B's.
-        self.inflight: dict[str, Inflight] = {}
+        self.book: RequestBook[Inflight] = RequestBook(recent_ends_kept=RECENT_ENDS_KEPT)
         self._worker_change = asyncio.Event()
         self.tenants_file = tenants_file
         self.tenants = load_tenants(tenants_file) if tenants_file else TenantsConfig.open_mode()
@@ -250,12 +217,6 @@ class RouterService(Service):
         # router -> tenant -> virtual tokens of its DispatchNotes since its last FairShareReport
         self._remote_recent: dict[str, dict[str, float]] = {}
         self._claiming: set[str] = set()  # requests this router is claiming/dispatching now
-        # Decode slots freed since a decoder's last heartbeat (free_slots): the requests that heartbeat listed
-        # as running whose RequestFinished arrived since. Without it a slot stayed taken until the next
-        # heartbeat (0.5 s), which capped a decoder at ~its batch size per heartbeat interval.
-        self._hb_listed: dict[str, set[str]] = {}  # decoder -> requests its last heartbeat listed, not ended
-        self._hb_gone: dict[str, int] = {}  # decoder -> how many of those ended since
-        self._recent_ends: OrderedDict[str, None] = OrderedDict()  # requests whose end arrived lately
 
     async def setup(self) -> None:
         from splitserve.services.router.tokenize import PromptTokenizer
@@ -318,6 +279,11 @@ class RouterService(Service):
         if warm > 0:
             await asyncio.sleep(warm)
 
+    @property
+    def inflight(self) -> dict[str, Inflight]:
+        """The request book's flights (read only: every change goes through ``self.book``)."""
+        return self.book.flights
+
     def load(self) -> WorkerLoad:
         return WorkerLoad(active_seqs=len(self.inflight))
 
@@ -331,23 +297,17 @@ class RouterService(Service):
     async def on_heartbeat(self, hb: Heartbeat, _: Msg) -> None:
         now = time.monotonic()
         self.registry.observe(hb, now)
-        if hb.role == "decode":
-            # A request whose end arrived before this heartbeat is listed only until its end is stored (not in
-            # the load figures): it cannot end again here.
-            ends = self._recent_ends
-            self._hb_listed[hb.worker_id] = {r for r in hb.active_requests if r not in ends}
-            self._hb_gone[hb.worker_id] = 0
-        if hb.role in ("decode", "prefill"):
-            for key in hb.active_requests:  # proto.request_key(tenant, id)
-                inf = self.inflight.get(key)
-                if inf is None:
-                    continue
-                if hb.worker_id in (inf.decoder, inf.prefiller):
-                    inf.confirmed = True
-                    inf.listed_at = now
-                if hb.role == "decode" and inf.decoder == hb.worker_id:
-                    inf.holder = hb.worker_id  # a request handed from prefiller to decoder is the decoder's now
+        st = self.registry.workers.get(hb.worker_id)
+        if hb.role in ("decode", "prefill") and st is not None and st.hb is hb:  # not an out-of-order report
+            load = hb.load
+            held = self.book.heartbeat(hb.worker_id, hb.role, hb.active_requests, now,
+                                       running=load.active_seqs + load.queued_requests, max_seqs=load.max_seqs,
+                                       pool=hb.pool, ready=hb.state == "ready",
+                                       live_until=now + self.registry.timeout_for(st))
+            for key in held:
                 self.policy.release(key, hb.worker_id)  # this worker's own load report now counts it
+            if hb.role == "decode":
+                self._dispatch_wake.set()
         self._worker_change.set()
 
     async def on_kv_events(self, batch: KvEventBatch, _: Msg) -> None:
@@ -359,8 +319,8 @@ class RouterService(Service):
         # Every router hears every RequestFinished; only the request's owner (the router holding it in
         # flight) settles it, so its quota and registry record are settled once.
         key = ev.key
-        self._note_end(key, ev.worker_id)
-        inf = self.inflight.pop(key, None)
+        inf = self.book.ended(key, ev.worker_id)
+        self._dispatch_wake.set()  # a slot its decoder's last heartbeat showed taken is free now
         used = (ev.usage.prompt_tokens + ev.usage.completion_tokens) if ev.usage is not None else None
         if inf is not None:
             await self._retire(inf, used, ev.status)
@@ -368,18 +328,6 @@ class RouterService(Service):
         self._accepted_meta.pop(key, None)
         if not self.use_queue:
             self.quota.finish(ev.tenant, ev.request_id, used, time.monotonic())
-
-    def _note_end(self, key: str, worker: str) -> None:
-        """A request ended on ``worker``: a slot its last heartbeat showed taken is free now (free_slots)."""
-        listed = self._hb_listed.get(worker)
-        if listed is not None and key in listed:
-            listed.discard(key)
-            self._hb_gone[worker] = self._hb_gone.get(worker, 0) + 1
-            self._dispatch_wake.set()
-        ends = self._recent_ends
-        ends[key] = None
-        if len(ends) > RECENT_ENDS_KEPT:
-            ends.popitem(last=False)
 
     async def _retire(self, inf: Inflight, used_tokens: int | None, status: str = "error") -> None:
         """The request ended (any outcome): settle its fair-share charge, its registry record and quota, then
@@ -439,8 +387,6 @@ class RouterService(Service):
                 continue
             for wid, reason in self.registry.reap(time.monotonic(), observer=self.worker_id):
                 self.log.warning("worker_dead", dead_worker=wid, reason=reason)
-                self._hb_listed.pop(wid, None)
-                self._hb_gone.pop(wid, None)
                 self.policy.remove_worker(wid)
                 self._worker_lost(wid, reason)
             await self._expire_queued()
@@ -450,35 +396,21 @@ class RouterService(Service):
                 self.log.warning("lost_job_check_failed", error=str(exc))
 
     async def _check_lost_jobs(self) -> None:
-        """Jobs lost in transit (see LOST_JOB_S, UNCONFIRMED_S) and jobs orphaned after they arrived (ORPHAN_S):
-        each is settled or sent again by :meth:`_send_again`."""
-        now = time.monotonic()
-        for inf in [i for i in self.inflight.values() if not i.confirmed and not i.migrating]:
-            sent = max(inf.routed_at, self.b.last_reconnect)
-            if now - sent < LOST_JOB_S:
-                continue
-            st = self.registry.workers.get(inf.holder)
-            heard = st is not None and st.last_seen > sent + LOST_JOB_S
-            if not heard and now - sent < UNCONFIRMED_S:
-                continue  # no heartbeat from its worker since: not known to be lost yet (a dead one is reaped)
-            inf.routed_at = now  # checked once per window
-            await self._send_again(inf, "job_lost_in_transit", (
-                f"no worker reported job attempt {inf.attempt} (sent to {inf.holder}; lost in transit: "
-                "a NATS node died with it in flight, or its worker stopped just then)"))
-        for inf in [i for i in self.inflight.values() if i.confirmed and not i.migrating]:
-            listed = max(inf.listed_at, self.b.last_reconnect)
-            if now - listed < ORPHAN_S:
-                continue
-            st = self.registry.workers.get(inf.holder)
-            if st is None or st.last_seen < listed + ORPHAN_S / 2:
-                continue  # its holder is not heard from either: whether it died is the registry's call
-            inf.listed_at = now  # checked once per window
-            await self._send_again(inf, "job_orphaned", (
-                f"job attempt {inf.attempt} orphaned: {inf.holder} heartbeats without it for "
-                f"{now - listed:.0f}s (a hand-off or another message lost after the job arrived)"),
-                quiet_s=round(now - listed, 1))
+        """Jobs lost in transit and jobs orphaned after they arrived (the book's ``lost`` check): each is settled
+        or sent again by :meth:`_send_again`."""
+        workers = self.registry.workers
 
-    async def _send_again(self, inf: Inflight, event: str, reason: str, **fields: Any) -> None:
+        def last_heard(wid: str) -> float | None:
+            st = workers.get(wid)
+            return st.last_seen if st is not None else None
+
+        for lost in self.book.lost(time.monotonic(), last_heard, self.b.last_reconnect):
+            if self.book.get(lost.flight.key) is not lost.flight:
+                continue  # ended meanwhile (a settle below ran on_finished)
+            fields = {"quiet_s": lost.quiet_s} if lost.check.value == "job_orphaned" else {}
+            await self._send_again(lost.flight, lost.check.value, lost.reason, **fields)
+
+    async def _send_again(self, inf: Flight, event: str, reason: str, **fields: Any) -> None:
         """A job no worker holds (lost in transit, or orphaned): retired from its stored RequestFinished if it
         ended meanwhile (only its end notice was lost), else sent again as one more attempt (``_migrate``)."""
         done = await self.wq.finished_record(inf.tenant, inf.request_id)
@@ -486,10 +418,11 @@ class RouterService(Service):
             await self.on_finished(done, None)  # type: ignore[arg-type]
             return
         self.log.warning(event, request_id=inf.request_id, worker=inf.holder, **fields)
+        assert isinstance(inf, Inflight)
         self.b.spawn(self._migrate(inf, inf.attempt, reason, inf.holder, decoder_failed=False))
 
     async def _fail(self, inf: Inflight, code: ErrorCode, message: str, worker: str | None = None) -> None:
-        self.inflight.pop(inf.key, None)
+        self.book.remove(inf.key)
         await self._retire(inf, None)
         if inf.trace_ctx is not None and trace.get_current_span().get_span_context() != inf.trace_ctx:
             # router.request ended long ago (e.g. the decoder died mid-stream): record the failure in the
@@ -540,15 +473,10 @@ class RouterService(Service):
             msg = proto.decode_stream(data)
         except proto.ProtocolError:
             return
-        inf.started = inf.confirmed = True
-        if not isinstance(msg, StreamDelta):
-            return
-        if msg.seq == inf.next_seq:
-            inf.tokens.extend(msg.token_ids)
-            inf.text.append(msg.text)
-            inf.next_seq += 1
-        elif msg.seq > inf.next_seq:
-            inf.tracked = False  # a delta went missing here: resuming would skip or repeat tokens
+        if isinstance(msg, StreamDelta):
+            inf.delta(msg.seq, msg.token_ids, msg.text)
+        else:
+            inf.started = inf.confirmed = True
 
     async def on_bounced(self, ev: JobBounced, _: Msg) -> None:
         inf = self.inflight.get(ev.key)
@@ -560,6 +488,7 @@ class RouterService(Service):
             # The prefiller found the decoder unreachable: do not send the request (or any other) back there on
             # the strength of a heartbeat its process may not outlive (SIGKILLed, restarting): wait for the next.
             self.registry.unreachable(inf.decoder)
+            self.book.unreachable(inf.decoder)
         self.b.spawn(self._migrate(inf, inf.attempt, f"{ev.message} (from {ev.worker_id})", ev.worker_id,
                                    decoder_failed=False, code=ev.code))
 
@@ -568,14 +497,9 @@ class RouterService(Service):
         # the new process's (a request waiting for a live decoder goes there at once), not the dead one's.
         st = self.registry.workers.get(wid)
         fresh = st.first_seen if st is not None and st.dead_reason is None else float("inf")
-        for inf in list(self.inflight.values()):
-            if inf.sent_at >= fresh:
-                continue
-            if inf.decoder == wid or (inf.holder == wid and inf.prefiller != wid):
-                self.b.spawn(self._migrate(inf, inf.attempt, reason, wid, decoder_failed=True))
-            elif inf.prefiller == wid and not inf.started:
-                # Its KV may never come: unless the decoder already has it, send the request again.
-                self.b.spawn(self._migrate(inf, inf.attempt, reason, wid, decoder_failed=False))
+        for inf, how in self.book.worker_lost(wid, fresh):
+            # a prefiller that died before any output: unless the decoder already has the KV, send it again
+            self.b.spawn(self._migrate(inf, inf.attempt, reason, wid, decoder_failed=how is Move.DECODER_FAILED))
 
     async def _migrate(self, inf: Inflight, attempt: int, reason: str, failed: str, *, decoder_failed: bool,
                        code: ErrorCode = ErrorCode.WORKER_DIED) -> None:
@@ -624,7 +548,7 @@ class RouterService(Service):
         if isinstance(reply, RevokeReply) and reply.running:
             log.info("migration_not_needed", decoder=inf.decoder, reason=reason)
             tracing.set_attrs(sp, migrated=False, kept_on=inf.decoder)
-            inf.holder = inf.decoder
+            self.book.kept_on(inf, inf.decoder)
             return
         if inf.cancelled:
             await self._end_here(inf, "cancelled")
@@ -669,10 +593,8 @@ class RouterService(Service):
             attempt=attempt + 1, resume_token_ids=list(inf.tokens), resume_text="".join(inf.text),
             start_seq=inf.next_seq, route=route, decoder_id=decision.decoder, prefill_worker=decision.prefiller,
             routed_ms=now_ms(), decision=ddict, cache_salt=salt))
-        inf.job, inf.attempt, inf.started, inf.confirmed = job, attempt + 1, False, False
-        inf.routed_at = inf.sent_at = inf.listed_at = time.monotonic()
-        inf.decoder, inf.prefiller = decision.decoder, decision.prefiller
-        inf.holder = decision.prefiller or decision.decoder
+        inf.job = job
+        self.book.moved(inf, decision.decoder, decision.prefiller, time.monotonic())
         tracing.set_attrs(sp, migrated=True, route=str(route.value), decoder=decision.decoder,
                           prefiller=decision.prefiller, decision_json=ddict)
         log.warning("migrated", attempt=attempt + 1, failed_worker=failed, reason=reason, decoder=decision.decoder,
@@ -694,7 +616,7 @@ class RouterService(Service):
     async def _end_here(self, inf: Inflight, reason: Literal["cancelled", "length"]) -> None:
         """End a request whose worker is gone here, with what the caller already has: it was cancelled while
         it had no worker, or its output was already complete."""
-        self.inflight.pop(inf.key, None)
+        self.book.remove(inf.key)
         job = inf.job
         assert job is not None
         usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(inf.tokens))
@@ -1053,22 +975,9 @@ class RouterService(Service):
 
     # --- dispatch ------------------------------------------------------------------------------------
     def free_slots(self, now: float) -> int:
-        """Decode slots this router may fill now: each live decoder's batch size (plus a little, so a worker
-        never idles between one request finishing and the next arriving) less what it runs or was sent (by this
-        router or, per their dispatch notes, by the others) that its heartbeat does not show yet. What it runs is
-        its last heartbeat's count less the requests that heartbeat listed whose end arrived since: a slot is
-        offered again when its request ends, not at the next heartbeat."""
-        mine: dict[str, int] = {}
-        for inf in self.inflight.values():
-            mine[inf.decoder] = mine.get(inf.decoder, 0) + 1
-        free = 0
-        for hb in self.registry.live("decode", now):
-            # other routers' dispatches this decoder's heartbeat does not show yet (their DispatchNotes)
-            unreported = self.policy.pending.pending_for(hb.worker_id)[0] if self.policy.pending else 0
-            # less the requests it listed that ended since (their RequestFinished came after the heartbeat)
-            running = max(0, hb.load.active_seqs + hb.load.queued_requests - self._hb_gone.get(hb.worker_id, 0))
-            free += decoder_free_slots(hb.load.max_seqs, running + unreported, mine.get(hb.worker_id, 0), hb.pool)
-        return free
+        """Decode slots this router may fill now: the request book's slot ledger (``RequestBook.free_slots``), over
+        the decoders the registry counts live (ready, reachable, heard within their heartbeat timeout)."""
+        return self.book.free_slots(now)
 
     async def _dispatch_loop(self) -> None:
         await self._registry_warmup()
@@ -1246,11 +1155,11 @@ class RouterService(Service):
                 self.log.info("redelivered_adopted", request_id=rid, holder=hb.worker_id, previous_owner=rec.owner)
                 tracing.set_attrs(sp, adopted_from=hb.worker_id)
                 is_decoder = hb.role == "decode"
-                self.inflight[req.key] = Inflight(
+                self.book.add(Inflight(
                     request_id=rid, tenant=req.tenant, stream_subject=req.stream_subject,
                     decoder=hb.worker_id if is_decoder else "", prefiller=None if is_decoder else hb.worker_id,
                     holder=hb.worker_id, queue_msg=qmsg, record=mine, record_rev=new_rev,
-                    confirmed=True)  # its worker's heartbeat lists it
+                    confirmed=True), now)  # its worker's heartbeat lists it
                 return None
         if int(qmsg.metadata.num_delivered) > MAX_DELIVERIES:
             self._accepted_meta.pop(req.key, None)
@@ -1331,12 +1240,11 @@ class RouterService(Service):
         )
         charge = len(ids) + req.sampling.max_tokens
         inf = Inflight(request_id=req.request_id, tenant=req.tenant, stream_subject=req.stream_subject,
-                       decoder=decision.decoder, prefiller=decision.prefiller,
-                       holder=decision.prefiller or decision.decoder, queue_msg=queue_msg, charged=charge)
+                       decoder=decision.decoder, prefiller=decision.prefiller, queue_msg=queue_msg, charged=charge)
         if record is not None:
             inf.record, inf.record_rev = record
         self.fair.charge(req.tenant, charge)
-        self.inflight[req.key] = inf
+        self.book.add(inf, now)
         inf.trace_ctx = sp.get_span_context() if sp.get_span_context().is_valid else None
         ddict = job.decision
         if self.use_queue:
@@ -1364,7 +1272,9 @@ class RouterService(Service):
         entries = [(note.decoder, note.decoder_tokens, note.blocks)]
         if note.prefiller is not None:
             entries.append((note.prefiller, note.prefiller_tokens, 0))
-        self.policy.on_remote_routed(note.key, entries, time.monotonic())
+        now = time.monotonic()
+        self.policy.on_remote_routed(note.key, entries, now)
+        self.book.remote_dispatched(note.key, note.decoder, now)
         if note.tenant and note.virtual_tokens:
             recent = self._remote_recent.setdefault(note.router_id, {})
             recent[note.tenant] = recent.get(note.tenant, 0.0) + note.virtual_tokens

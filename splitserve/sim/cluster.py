@@ -7,16 +7,16 @@ The router side is the live code, unchanged (see :mod:`splitserve.routing.live`)
 * the :class:`~splitserve.routing.Router` built by ``build_router`` with the service's ``DisaggPolicy`` and
   ``ContextPools``, deciding on :class:`WorkerView` s made by ``view_from_load`` from simulated heartbeats
   (every ``heartbeat_s``, staggered per worker), in the order the live registry lists them;
-* ``router.release(key, worker)`` when a worker's heartbeat lists a request it was sent (the first such
-  heartbeat: a later release changes nothing), ``release(key)`` when it finishes (the pending-load ledger of
-  ``cost.py``/``pending.py``). Requests are named as the live router names them, by
-  ``proto.request_key(tenant, request_id)`` (the routing request's id, the ledger's key and what heartbeats
-  list), since a request id is unique only within its tenant;
+* the :class:`~splitserve.routing.book.RequestBook` the service keeps: a flight per dispatched request, fed
+  every heartbeat (what each worker lists and runs) and every end, and dispatch paced by its ``free_slots``;
+* ``router.release(key, worker)`` for every request the book says a worker's heartbeat lists, ``release(key)``
+  when it finishes (the pending-load ledger of ``cost.py``/``pending.py``). Requests are named as the live
+  router names them, by ``proto.request_key(tenant, request_id)`` (the routing request's id, the ledger's key
+  and what heartbeats list), since a request id is unique only within its tenant;
 * ``router.apply_events`` with each worker's KV event batches (:mod:`splitserve.cache.events`), delivered
   after ``bus_delay_s``, into the router's :class:`~splitserve.cache.index.PrefixIndex` replica;
 * the :class:`~splitserve.tenancy.quota.QuotaBook` at intake (check / admit / finish) and the
-  :class:`~splitserve.tenancy.fairshare.FairScheduler` at dispatch (pick / charge / settle), with dispatch
-  paced by the decoders' free slots exactly as the service paces it.
+  :class:`~splitserve.tenancy.fairshare.FairScheduler` at dispatch (pick / charge / settle).
 
 Colocated mode is ``prefill=0`` (every prompt prefilled on its decoder, chunked by default).
 ``record=True`` keeps the router's inputs and decisions (:attr:`Sim.log`) for the live-equivalence test.
@@ -35,7 +35,8 @@ from splitserve.cache.events import KvEventBatch
 from splitserve.cache.index import PrefixIndex
 from splitserve.proto import request_key
 from splitserve.routing import NoWorkers, RoutingRequest, WorkerView
-from splitserve.routing.live import build_router, decoder_free_slots, dispatch_batch, live_disagg, view_from_load
+from splitserve.routing.book import Flight, RequestBook
+from splitserve.routing.live import build_router, dispatch_batch, live_disagg, view_from_load
 from splitserve.sim.clock import EventLoop
 from splitserve.sim.fabric import fabric, model_spec
 from splitserve.sim.latency import StepFit, latency_model
@@ -159,13 +160,9 @@ class Sim:
         self.views: list[WorkerView] = []
         self._pos: dict[str, int] = {}
         self._n_decode_views = 0
-        self._reported: dict[str, int] = {}  # decoder -> active + queued in its last heartbeat
-        self._mine: dict[str, int] = {}  # decoder -> requests this router sent it and that have not finished
-        self._slots: dict[str, int] = {}
-        self.free_slots = 0
+        self.book: RequestBook[Flight] = RequestBook()  # the live router's flight table and slot ledger
         self.queues: dict[str, deque[SimRequest]] = {}
         self.pending: dict[str, int] = {}
-        self.inflight: dict[str, Seq] = {}  # by request_key(tenant, request_id)
         self.done: list[Seq] = []
         self.refused: list[tuple[SimRequest, str]] = []
         self.failed: list[tuple[SimRequest, str]] = []
@@ -203,24 +200,12 @@ class Sim:
             self._register(w, view)
         else:
             self.views[pos] = view
-        # The live router releases every listed request it has in flight, on every heartbeat; a release after the
-        # first for the same (request, worker) changes nothing (the ledger entry is gone), so only the first is
-        # made. A worker holds only the requests it was sent (a decoder: its decoder's; a prefiller: its
-        # prefiller's), and a finished request is in no list.
+        # As the live router: the book takes the report, and every request of its it lists is released from the
+        # pending-load ledger (this worker's own figures count it now).
         release = self.router.release
-        if isinstance(w, DecodeWorker):
-            for s in held:
-                if s.unlisted_decoder:
-                    s.unlisted_decoder = False
-                    release(s.key, wid)
-        else:
-            for s in held:
-                if s.unlisted_prefiller:
-                    s.unlisted_prefiller = False
-                    release(s.key, wid)
-        if isinstance(w, DecodeWorker):
-            self._reported[w.wid] = active + queued
-            self._update_slots(w.wid)
+        for key in self.book.heartbeat(wid, w.role, [s.key for s in held], now, running=active + queued,
+                                       max_seqs=w.max_seqs if isinstance(w, DecodeWorker) else None, pool=pool):
+            release(key, wid)
         if schedule:
             self.loop.after(self.cfg.heartbeat_s, self._hb_event, w)
         self._dispatch()
@@ -240,15 +225,6 @@ class Sim:
         else:
             pos[view.worker_id] = len(views)
             views.append(view)
-
-    def _update_slots(self, wid: str) -> None:
-        w = self.by_id[wid]
-        if wid not in self._pos:
-            return
-        new = decoder_free_slots(w.max_seqs, self._reported.get(wid, 0), self._mine.get(wid, 0),  # type: ignore[union-attr]
-                                 w.pool)
-        self.free_slots += new - self._slots.get(wid, 0)
-        self._slots[wid] = new
 
     # ------------------------------------------------------------------------------------------ KV events
     def publish_kv(self, batch: KvEventBatch) -> None:
@@ -282,12 +258,13 @@ class Sim:
         if not self.cfg.queue:
             return
         pending = self.pending
-        while self.free_slots > 0:
+        book = self.book
+        while (free := book.free_slots(self.loop.now)) > 0:
             tenant = self.fair.pick(pending)
             if tenant is None:
                 return
             q = self.queues[tenant]
-            for _ in range(min(dispatch_batch(self.free_slots), len(q))):
+            for _ in range(min(dispatch_batch(free), len(q))):
                 self._route(q.popleft())
             pending[tenant] = len(q)
 
@@ -305,6 +282,8 @@ class Sim:
             self.quota.finish(r.tenant, r.request_id, None, now)
             return
         if cfg.record:  # the decision as the live router publishes it: the policy knows the request by its key
+            # (and the free slots dispatch saw: the live router's book must offer the same)
+            self.log.append(("slots", now, self.book.free_slots(now)))
             self.log.append(("route", now, r.request_id, r.tenant, r.token_ids, r.output_tokens,
                              {**d.to_dict(), "request_id": r.request_id}))
         charge = r.prompt_tokens + r.output_tokens
@@ -312,9 +291,8 @@ class Sim:
         s = Seq(r, route=d.route, decoder=d.decoder, prefiller=d.prefiller, hashes=hashes, dispatched_s=now,
                 charged=charge, key=key)
         s.decoder_cached = d.cached_tokens
-        self.inflight[key] = s
-        self._mine[d.decoder] = self._mine.get(d.decoder, 0) + 1
-        self._update_slots(d.decoder)
+        self.book.add(Flight(request_id=r.request_id, tenant=r.tenant, decoder=d.decoder, prefiller=d.prefiller,
+                             charged=charge), now)
         if d.prefiller is not None:
             self.loop.after(cfg.bus_delay_s, self._to_prefiller, s)
         else:
@@ -365,15 +343,13 @@ class Sim:
         now = self.loop.now
         r = s.req
         rid = r.request_id
-        self.inflight.pop(s.key, None)
+        self.book.ended(s.key, s.decoder)  # reported by its decoder, as the live RequestFinished is
         used = r.prompt_tokens + r.output_tokens
         if self.cfg.record:
-            self.log.append(("fin", now, rid, r.tenant, r.prompt_tokens, r.output_tokens))
+            self.log.append(("fin", now, rid, r.tenant, r.prompt_tokens, r.output_tokens, s.decoder))
         self.router.release(s.key)
         self.fair.settle(r.tenant, s.charged, used)
         self.quota.finish(r.tenant, rid, used, now)
-        self._mine[s.decoder] -= 1
-        self._update_slots(s.decoder)
         r.drop_hashes()
         s.hashes = []
         self.done.append(s)

@@ -70,9 +70,6 @@ class Seq:
     # ``proto.request_key(tenant, request_id)``: how heartbeats list it and the router's ledger names it (a
     # request id is unique only within its tenant); derived from ``req`` when not given
     key: str = ""
-    # the router has not yet been told that the decoder's / the prefiller's heartbeat lists it
-    unlisted_decoder: bool = True
-    unlisted_prefiller: bool = True
 
     def __post_init__(self) -> None:
         if not self.key:

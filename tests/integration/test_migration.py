@@ -266,7 +266,7 @@ async def test_a_job_its_decoder_stops_listing_is_moved_not_left_waiting(
     decoder's 300 s lease); it now moves it once no worker has listed it for ORPHAN_S while its holder kept
     beating. The decoder is the test itself, so that it can drop the first attempt at will; it serves the next."""
     from splitserve.proto import DecodeJob, StreamDelta, StreamFinal, Subjects, Usage, WorkerLoad
-    from splitserve.services.router.service import ORPHAN_S
+    from splitserve.routing.book import ORPHAN_S
 
     url, logs = fresh_nats.url, tmp_path / "logs"
     procs.append(_router(url, logs, "router-o", "--disagg-threshold", "1000000000"))

@@ -5,7 +5,8 @@ its router inputs - every heartbeat, KV event batch, dispatch and finish, at sim
 a real :class:`splitserve.services.router.service.RouterService` (its own ``on_heartbeat`` / ``on_kv_events`` /
 ``on_finished`` / ``_route`` handlers, its registry, its policy from ``make_policy``), with its clock set to
 the simulated time and a bus that records what it would publish. Each routing decision it publishes must be
-the simulator's, candidate scores included.
+the simulator's, candidate scores included, and before each one the live router's request book must offer
+dispatch the free decode slots the simulator's did (the same ``RequestBook``, fed by the same reports and ends).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ async def _replay(
     svc.bus = bus  # type: ignore[assignment]
     hb_seq: dict[str, int] = {}
     pairs = []
+    slots: list[tuple[int, int]] = []
     span = trace.INVALID_SPAN
     for entry in sim.log:
         kind, now = entry[0], entry[1]
@@ -76,11 +78,15 @@ async def _replay(
             live = dict((job.decode if isinstance(job, proto.PrefillJob) else job).decision)
             live.pop("router", None)  # which replica decided: the live router's own id, not part of the policy
             pairs.append((sim_decision, live))
+        elif kind == "slots":
+            slots.append((entry[2], svc.free_slots(now)))
         elif kind == "fin":
-            _, _, rid, tenant, p, o = entry
-            ev = proto.RequestFinished(request_id=rid, tenant=tenant, worker_id="w", status="ok",
+            _, _, rid, tenant, p, o, decoder = entry
+            ev = proto.RequestFinished(request_id=rid, tenant=tenant, worker_id=decoder, status="ok",
                                        usage=proto.Usage(prompt_tokens=p, completion_tokens=o))
             await svc.on_finished(ev, None)  # type: ignore[arg-type]
+    assert len(slots) == len(pairs)
+    assert [s for s, _ in slots] == [live for _, live in slots], "the live router paces dispatch differently"
     return pairs
 
 
