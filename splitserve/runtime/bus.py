@@ -71,6 +71,9 @@ class PermissionDenied(Exception):
         self.subject = subject
 
 
+# "No responders" to a stored publish: no stream takes the subject, or its stream is electing a leader (seconds)
+NO_STREAM_GRACE_S = 15.0
+
 _VIOLATION = re.compile(r"permissions violation for (publish|subscription) to \"?([^\"']+)\"?", re.IGNORECASE)
 
 
@@ -94,6 +97,7 @@ class Bus:
         self.denied: list[PermissionDenied] = []  # the latest refusals, for callers and tests
         self._reconnect_waiters: set[asyncio.Future[None]] = set()
         self._durable: set[asyncio.Task[Any]] = set()
+        self._no_stream: set[asyncio.Task[Any]] = set()  # stored publishes hearing only "no responders" so far
         self.last_reconnect = 0.0  # time.monotonic() of the latest reconnect
         self.unconfirmed: dict[str, int] = {}  # request key -> terminal messages not yet stored by JetStream
         self.durable_retries = 0  # attempts after the first (an election, a dead node): for tests and logs
@@ -269,6 +273,8 @@ class Bus:
         js = self.nc.jetstream()
         started = time.monotonic()
         wait = 0.2
+        me = asyncio.current_task()
+        no_stream_since: float | None = None
         try:
             attempt = 0
             while True:
@@ -280,11 +286,26 @@ class Bus:
                                  waited_s=round(time.monotonic() - started, 2))
                     return
                 except (NoRespondersError, NoStreamResponseError):
-                    # No stream captures it (no router made SS_RESULTS / SS_USAGE yet): delivered live only.
-                    # (nats-py's JetStream publish reports "no responders" as NoStreamResponseError: caught
-                    # only as the generic error below, it was retried for give_up_s, and a closing bus waited.)
-                    return
+                    # "No responders" (nats-py's JetStream publish raises NoStreamResponseError for it) means one
+                    # of two things: no stream captures the subject (no router made SS_RESULTS / SS_USAGE yet:
+                    # delivered live only), or the stream that does has no leader this moment (an election after
+                    # a node died). Given up at once, the second lost stored ends: a router then found none and
+                    # ended the request a second time. So it is retried for NO_STREAM_GRACE_S (an election takes
+                    # seconds), and a closing bus does not wait for it (flush_stored).
+                    now = time.monotonic()
+                    if no_stream_since is None:
+                        no_stream_since = now
+                        if me is not None:
+                            self._no_stream.add(me)
+                    if now - no_stream_since > NO_STREAM_GRACE_S:
+                        return
+                    await asyncio.sleep(wait)
+                    wait = min(2.0, wait * 2)
+                    continue
                 except (NatsTimeout, TimeoutError, Exception) as exc:  # an election, a dead node, reconnecting
+                    if no_stream_since is not None and me is not None:
+                        self._no_stream.discard(me)
+                    no_stream_since = None
                     if time.monotonic() - started > give_up_s:
                         log.error("terminal_not_stored", subject=subject, attempts=attempt, error=repr(exc))
                         return
@@ -292,6 +313,8 @@ class Bus:
                     await asyncio.sleep(wait)
                     wait = min(2.0, wait * 2)
         finally:
+            if me is not None:
+                self._no_stream.discard(me)
             n = self.unconfirmed.get(rid, 1) - 1
             if n <= 0:
                 self.unconfirmed.pop(rid, None)
@@ -300,8 +323,10 @@ class Bus:
 
     async def flush_stored(self, timeout: float = 10.0) -> None:
         """Wait (bounded) until every terminal published so far is stored: before a service exits."""
-        if self._durable:
-            await asyncio.wait(set(self._durable), timeout=timeout)
+        # (not those that only ever heard "no responders": most likely no stream takes them at all)
+        waiting = self._durable - self._no_stream
+        if waiting:
+            await asyncio.wait(waiting, timeout=timeout)
 
     async def request(
         self,
