@@ -88,7 +88,7 @@ from splitserve.proto import (
     now_ms,
 )
 from splitserve.routing import NoWorkers, RoutingRequest, WorkerView
-from splitserve.routing.book import RECENT_ENDS_KEPT, Flight, Move, RequestBook
+from splitserve.routing.book import RECENT_ENDS_KEPT, Flight, LossCheck, Move, RequestBook
 from splitserve.routing.live import build_router, dispatch_batch, live_disagg, view_from_load
 from splitserve.runtime.bus import PayloadTooLarge, identity_refusal, reply_allowed
 from splitserve.runtime.jetstream import ensure_stream, replicas_for
@@ -407,7 +407,7 @@ class RouterService(Service):
         for lost in self.book.lost(time.monotonic(), last_heard, self.b.last_reconnect):
             if self.book.get(lost.flight.key) is not lost.flight:
                 continue  # ended meanwhile (a settle below ran on_finished)
-            fields = {"quiet_s": lost.quiet_s} if lost.check.value == "job_orphaned" else {}
+            fields = {"quiet_s": lost.quiet_s} if lost.check is LossCheck.ORPHANED else {}
             await self._send_again(lost.flight, lost.check.value, lost.reason, **fields)
 
     async def _send_again(self, inf: Flight, event: str, reason: str, **fields: Any) -> None:

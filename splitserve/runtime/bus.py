@@ -275,6 +275,7 @@ class Bus:
         wait = 0.2
         me = asyncio.current_task()
         no_stream_since: float | None = None
+        stream_exists = False
         try:
             attempt = 0
             while True:
@@ -289,21 +290,33 @@ class Bus:
                     # "No responders" (nats-py's JetStream publish raises NoStreamResponseError for it) means one
                     # of two things: no stream captures the subject (no router made SS_RESULTS / SS_USAGE yet:
                     # delivered live only), or the stream that does has no leader this moment (an election after
-                    # a node died). Given up at once, the second lost stored ends: a router then found none and
-                    # ended the request a second time. So it is retried for NO_STREAM_GRACE_S (an election takes
-                    # seconds), and a closing bus does not wait for it (flush_stored).
+                    # a node died). Given up, the second lost a stored end: a router then found none and ended
+                    # the request a second time, or a client that lost the live end found no stored one. So it
+                    # is retried; past NO_STREAM_GRACE_S (elections on a loaded cluster can take longer) only
+                    # until JetStream says the stream does not exist. A closing bus does not wait for it while
+                    # that is unknown (flush_stored).
                     now = time.monotonic()
                     if no_stream_since is None:
                         no_stream_since = now
-                        if me is not None:
+                        if me is not None and not stream_exists:
                             self._no_stream.add(me)
-                    if now - no_stream_since > NO_STREAM_GRACE_S:
+                    if now - no_stream_since > NO_STREAM_GRACE_S and not stream_exists:
+                        known = await self._stream_exists(subject)
+                        if known is False:
+                            return  # no stream takes it: it was delivered live only
+                        if known:
+                            stream_exists = True
+                            if me is not None:
+                                self._no_stream.discard(me)
+                    if now - started > give_up_s:
+                        log.error("terminal_not_stored", subject=subject, attempts=attempt,
+                                  error="no responders (the stream has no leader)")
                         return
                     await asyncio.sleep(wait)
                     wait = min(2.0, wait * 2)
                     continue
                 except (NatsTimeout, TimeoutError, Exception) as exc:  # an election, a dead node, reconnecting
-                    if no_stream_since is not None and me is not None:
+                    if me is not None:
                         self._no_stream.discard(me)
                     no_stream_since = None
                     if time.monotonic() - started > give_up_s:
@@ -320,6 +333,24 @@ class Bus:
                 self.unconfirmed.pop(rid, None)
             else:
                 self.unconfirmed[rid] = n
+
+    async def _stream_exists(self, subject: str) -> bool | None:
+        """Whether a stream keeps this stored subject: True, False (JetStream says there is none, or there is no
+        JetStream at all), None (no answer now: no meta leader, a timeout)."""
+        from nats.errors import NoRespondersError
+        from nats.js.errors import NotFoundError
+
+        stream = (proto.Subjects.USAGE_STREAM if subject.startswith("ss.evt.finished.")
+                  else proto.Subjects.RESULTS_STREAM)
+        try:
+            await self.nc.jetstream(timeout=2.0).stream_info(stream)
+        except NotFoundError:
+            return False
+        except NoRespondersError:
+            return False  # nothing serves the JetStream API
+        except Exception:
+            return None
+        return True
 
     async def flush_stored(self, timeout: float = 10.0) -> None:
         """Wait (bounded) until every terminal published so far is stored: before a service exits."""

@@ -168,6 +168,12 @@ def _stream_owner(stream: str) -> tuple[str, ...]:
     return (f"{_JS}.STREAM.INFO.{stream}", f"{_JS}.STREAM.CREATE.{stream}", f"{_JS}.STREAM.UPDATE.{stream}")
 
 
+def _stored_end_streams() -> tuple[str, ...]:
+    """A worker whose stored end hears "no responders" for long asks whether its stream exists at all
+    (splitserve.runtime.bus): only the info of those two streams."""
+    return (f"{_JS}.STREAM.INFO.{Subjects.RESULTS_STREAM}", f"{_JS}.STREAM.INFO.{Subjects.USAGE_STREAM}")
+
+
 def _ordered_reader(stream: str) -> tuple[str, ...]:
     """Reading a stream with nats-py's ordered consumer (an ephemeral push consumer with flow control)."""
     return (
@@ -234,6 +240,7 @@ DECODE = Permissions(
         "ss.stream.*.*",  # the tokens of the requests it decodes (deltas, final, error)
         "ss.result.*.*",  # the stored end of a request (JetStream publish into SS_RESULTS)
         "ss.evt.finished.*.*",  # RequestFinished (JetStream publish into SS_USAGE)
+        *_stored_end_streams(),  # is a stored end's stream there (no leader) or not at all?
         "ss.kv.*",  # its KV cache events (blocks stored / removed) for the indexes
     ),
     subscribe=(
@@ -257,6 +264,7 @@ PREFILL = Permissions(
         "ss.stream.*.*",  # a request it ends itself (prefill-only request, an error)
         "ss.result.*.*",  # ... its stored copy
         "ss.evt.finished.*.*",  # ... its RequestFinished
+        *_stored_end_streams(),  # is a stored end's stream there (no leader) or not at all?
         "ss.kv.*",  # its KV cache events for the indexes
     ),
     subscribe=(

@@ -182,6 +182,9 @@ async def test_decode_does_its_job(server: NatsServer, admin: NATS, conns: list[
     assert ack.stream == Subjects.RESULTS_STREAM
     assert (await dec.nc.jetstream().publish("ss.evt.finished.A.r1", b"done")).stream == Subjects.USAGE_STREAM
     assert (await dec.nc.jetstream().stream_info(TRACES_STREAM)).config.name == TRACES_STREAM
+    # Is a stored end's stream there at all (a long "no responders" is an election, or no stream)?
+    for stream in (Subjects.RESULTS_STREAM, Subjects.USAGE_STREAM):
+        assert (await dec.nc.jetstream().stream_info(stream)).config.name == stream
     assert await dec.clean(), dec.errors
     assert await pre.clean(), pre.errors
 
@@ -203,7 +206,8 @@ async def test_prefill_cannot_write_the_registry_or_dispatch(server: NatsServer,
     pre = await _as(server, conns, "prefill")
     for subject in ("$KV.SS_REQUESTS.r1", "$KV.SS_QUOTA.A", "ss.q.A.p0", "ss.req.A", "ss.decode.d0.job",
                     "ss.decode.d0.revoke", "ss.prefill.p1.job", "ss.hb.decode.d0", "ss.cancel.A",
-                    "$JS.API.STREAM.CREATE.SS_QUEUE", "$JS.API.STREAM.MSG.GET.KV_SS_REQUESTS"):
+                    "$JS.API.STREAM.CREATE.SS_QUEUE", "$JS.API.STREAM.MSG.GET.KV_SS_REQUESTS",
+                    "$JS.API.STREAM.INFO.SS_QUEUE", "$JS.API.STREAM.NAMES"):
         assert await pre.publish_refused(subject), subject
     for subject in ("ss.decode.*.reserve", "ss.decode.d0.job", "ss.req.*", "ss.stream.A.>", "_INBOX.A.>",
                     f"{service_inbox('decode')}.>"):
@@ -218,6 +222,7 @@ async def test_prefill_does_its_job(server: NatsServer, admin: NATS, conns: list
                     "ss.hb.prefill.prefill-0", "ss.trace.spans.prefill"):
         await pre.nc.publish(subject, b"{}")
     assert (await pre.nc.jetstream().publish("ss.evt.finished.A.r2", b"done")).stream == Subjects.USAGE_STREAM
+    assert (await pre.nc.jetstream().stream_info(Subjects.RESULTS_STREAM)).config.name == Subjects.RESULTS_STREAM
     assert await pre.clean(), pre.errors
 
 
