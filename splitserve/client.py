@@ -445,9 +445,15 @@ class Client:
                 if direct and self.inbox_prefix is None:
                     direct = False  # a results stream created before allow_direct: the plain API still works
                     continue
+                # Within the wait, ride it out: the store's nodes may be electing a leader (a node died)
+                if time.monotonic() < deadline:
+                    await asyncio.sleep(min(0.5, max(0.01, deadline - time.monotonic())))
+                    continue
                 raise errors.Unavailable(f"the results store {proto.Subjects.RESULTS_STREAM} does not answer "
                                          f"(no router has created it yet?)", request_id=request_id) from None
             except (NatsTimeout, TimeoutError):
+                if time.monotonic() < deadline:
+                    continue  # as above: a request that already waited its timeout
                 raise errors.Timeout(f"the results store did not answer for request {request_id}",
                                      request_id=request_id) from None
             except NotFoundError:

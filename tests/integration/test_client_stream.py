@@ -138,3 +138,32 @@ async def test_a_silent_stream_finds_its_stored_end(nats_server: NatsServer) -> 
         assert gen.result is not None and gen.result.text == "t0t1t2"
     finally:
         await nc.close()
+
+
+async def test_result_rides_out_a_results_store_that_does_not_answer_within_its_wait(fresh_nats: NatsServer) -> None:
+    """``Client.result(wait=...)`` while the results store does not answer (its nodes electing a leader after one
+    died: a direct get times out): it asks again until its wait is over, not raise at the first timeout (CI:
+    test_cluster_routers' capped waves failed so)."""
+    nc = await nats.connect(fresh_nats.url)
+    silent = await nc.subscribe(f"$JS.API.DIRECT.GET.{proto.Subjects.RESULTS_STREAM}.>")  # takes it, never answers
+    await nc.flush()
+    final = StreamFinal(request_id="r9", seq=1, token_ids=[7], text="done", finish_reason="stop",
+                        usage=Usage(prompt_tokens=1, completion_tokens=1), route=Route.DIRECT, prefill_worker=None,
+                        decode_worker="d")
+
+    async def store_back() -> None:
+        await asyncio.sleep(1.0)
+        await silent.unsubscribe()
+        js = nc.jetstream()
+        await js.add_stream(name=proto.Subjects.RESULTS_STREAM, subjects=[proto.Subjects.RESULTS_ALL],
+                            allow_direct=True)
+        await js.publish(proto.Subjects.result("acme", "r9"), proto.encode(final))
+
+    back = asyncio.ensure_future(store_back())
+    try:
+        async with Client(fresh_nats.url, tenant="acme") as c:
+            res = await c.result("r9", wait=30)
+        assert res is not None and res.text == "done"
+    finally:
+        await back
+        await nc.close()
