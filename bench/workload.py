@@ -27,8 +27,11 @@ from splitserve.cache import (
     KvEvent,
     KvEventBatch,
     PrefixIndex,
+    batch,
     mooncake_block_hashes,
+    removed,
     root_hash,
+    stored,
 )
 from splitserve.tenancy.config import TenantsConfig
 
@@ -160,28 +163,22 @@ class WorkerCaches:
                 step = i - start if self.shape == "coarse" else self.chunk_blocks
                 for a in range(start, i, step):
                     b = min(a + step, i)
-                    events.append(
-                        BlockStored(
-                            block_hashes=hashes[a:b],
-                            parent_block_hash=hashes[a - 1] if a else None,
-                            block_size=self.block_size,
-                        )
-                    )
+                    events.append(stored(hashes[a:b], hashes[a - 1] if a else None, block_size=self.block_size))
                 start = None
-        removed: list[int] = []
+        gone: list[int] = []
         if self.capacity is not None:
             while len(cache) > self.capacity:
-                removed.append(cache.popitem(last=False)[0])
-        if removed:
+                gone.append(cache.popitem(last=False)[0])
+        if gone:
             if self.shape == "coarse":
-                events.append(BlockRemoved(block_hashes=removed))
+                events.append(removed(gone))
             else:  # vLLM's BlockPool emits one BlockRemoved per evicted block
-                events.extend(BlockRemoved(block_hashes=[h]) for h in removed)
+                events.extend(removed([h]) for h in gone)
         if not events:
             return None
         seq = self.seq.get(worker, 0)
         self.seq[worker] = seq + 1
-        return KvEventBatch(worker, seq, ts, events)
+        return batch(worker, seq, events, ts)
 
 
 @dataclass

@@ -14,7 +14,7 @@ import time
 from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from splitserve.proto.subjects import check_token, reply_subjects, request_key
 from splitserve.proto.tokens import TokenIds
@@ -552,28 +552,38 @@ class Heartbeat(Message):
 # vLLM's own events can be bridged onto the same subjects.
 
 
+def _tier(value: object) -> object:
+    return value.lower() if isinstance(value, str) else value  # vLLM spells the tiers "GPU" / "CPU"
+
+
 class BlockStored(BaseModel):
+    """Full blocks now cached on a worker, in chain order; ``parent_block_hash`` precedes the first one."""
+
     model_config = ConfigDict(extra="ignore")
     type: Literal["stored"] = "stored"
     block_hashes: list[int]
     parent_block_hash: int | None = None
-    token_ids: list[int] | None = None
+    token_ids: list[int] | None = None  # all blocks' tokens, concatenated (vLLM sends them; optional here)
     block_size: int
     lora_id: int | None = None
-    medium: str = "gpu"
+    medium: Annotated[str, BeforeValidator(_tier)] = "gpu"
 
 
 class BlockRemoved(BaseModel):
+    """Blocks a worker evicted from one tier."""
+
     model_config = ConfigDict(extra="ignore")
     type: Literal["removed"] = "removed"
     block_hashes: list[int]
-    medium: str = "gpu"
+    medium: Annotated[str, BeforeValidator(_tier)] = "gpu"
 
 
 class AllBlocksCleared(BaseModel):
+    """The worker dropped every block of one tier, or of every tier when ``medium`` is None."""
+
     model_config = ConfigDict(extra="ignore")
     type: Literal["cleared"] = "cleared"
-    medium: str | None = None
+    medium: Annotated[str | None, BeforeValidator(_tier)] = None
 
 
 KvEvent = Annotated[BlockStored | BlockRemoved | AllBlocksCleared, Field(discriminator="type")]

@@ -22,7 +22,6 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, ObjectStoreConfig, Stream
 from nats.js.errors import NotFoundError, ObjectNotFoundError
 
 from splitserve import proto
-from splitserve.cache import events as cache_events
 from splitserve.cache.index import PrefixIndex
 from splitserve.proto import CacheQuery, CacheQueryReply, Heartbeat, KvEventBatch, Subjects, WorkerLoad
 from splitserve.runtime.jetstream import ensure_replicas, ensure_stream, replicas_for
@@ -107,7 +106,7 @@ class CacheIndexService(Service):
         except proto.ProtocolError as exc:
             self.log.warning("bad_kv_event_batch", error=exc.message, stream_seq=seq)
             return
-        if self.index.apply(cache_events.KvEventBatch.from_dict(batch.model_dump())):
+        if self.index.apply(batch):
             self.gaps += 1
             self.log.warning("kv_event_gap", target=batch.worker_id, seq=batch.seq)
             self.b.spawn(resync_index(self.b, self.index, batch.worker_id, self.log))

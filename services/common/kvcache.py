@@ -8,11 +8,9 @@ Batch seq 0 is always an ``AllBlocksCleared``: a restarted worker resets what in
 
 from __future__ import annotations
 
-from typing import Any
-
 from nats.aio.msg import Msg
 
-from splitserve.cache.events import AllBlocksCleared
+from splitserve.cache.events import KvEvent, cleared
 from splitserve.cache.store import PrefixKvStore
 from splitserve.engines.base import ModelInfo
 from splitserve.kv import KvLayout
@@ -58,17 +56,17 @@ class KvEventPublisher:
 
     async def start(self) -> None:
         await self.bus.subscribe(Subjects.kv_held(self.worker_id), KvHeldRequest, self.on_held)
-        await self._publish([AllBlocksCleared().to_dict()])
+        await self._publish([cleared()])
 
-    async def _publish(self, events: list[dict[str, Any]]) -> None:
-        batch = KvEventBatch.model_validate({"worker_id": self.worker_id, "seq": self.seq, "events": events})
+    async def _publish(self, events: list[KvEvent]) -> None:
+        batch = KvEventBatch(worker_id=self.worker_id, seq=self.seq, events=events)
         self.seq += 1
         await self.bus.publish(Subjects.kv_events(self.worker_id), batch)
 
     async def flush(self) -> None:
         events = await self.thread.run(self.store.drain_events)
         if events:
-            await self._publish([e.to_dict() for e in events])
+            await self._publish(events)
 
     async def on_held(self, _: KvHeldRequest, msg: Msg) -> None:
         # Drain first so the reported state and seq agree: everything up to seq-1 is included.

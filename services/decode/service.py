@@ -56,6 +56,7 @@ from splitserve.proto import (
     WorkerLoad,
     now_ms,
 )
+from splitserve.routing.load import decoder_load
 from splitserve.runtime.service import Service
 from splitserve.services.common.engine_thread import EngineThread
 from splitserve.services.common.handoff import Handoffs
@@ -243,20 +244,18 @@ class DecodeService(Service):
         # sequences): heartbeats list it, so the routers stop counting it as their own pending load, and
         # leaving it out here made a stream in its local prefill invisible to the stall rule.
         admitting = self.admitting is not None and self.admitting not in self.active
-        return WorkerLoad(
-            active_seqs=len(self.active) + admitting,
+        return decoder_load(
+            decoding=len(self.active), prefilling=int(admitting), waiting=len(self.pending),
+            prefill_tokens_left=self._admitting_prefill if admitting else 0,
+            waiting_prefill_tokens=sum(len(a.job.context_token_ids()) for a in self.pending if a.kv is None),
             max_seqs=self.max_batch,
-            queued_requests=len(self.pending),
-            queued_prefill_tokens=sum(len(a.job.context_token_ids()) for a in self.pending if a.kv is None)
-            + (self._admitting_prefill if admitting else 0),
             free_blocks=self.pool.num_free if hasattr(self, "pool") else 0,
             total_blocks=self.pool.num_blocks if hasattr(self, "pool") else 0,
             reserved_blocks=reserved,
             used_blocks=sum(len(s.job.prompt_token_ids) + len(s.generated) for s in self.active.values())
             // max(1, self.opts.block_size),
             cached_blocks=sum(self.store.stats().blocks.values()) if self.store is not None else 0,
-            prefill_tokens_per_s=self.prefill_tps,
-            step_ms=None if self.step_ms is None else round(self.step_ms, 2),
+            prefill_tokens_per_s=self.prefill_tps, step_ms=self.step_ms,
         )
 
     def active_requests(self) -> list[str]:

@@ -56,6 +56,7 @@ from splitserve.proto import (
     WorkerLoad,
     now_ms,
 )
+from splitserve.routing.load import prefiller_load
 from splitserve.runtime.service import Service
 from splitserve.services.common import handoff
 from splitserve.services.common.engine_thread import EngineThread
@@ -237,14 +238,15 @@ class PrefillService(Service):
         self.thread.close()
 
     def load(self) -> WorkerLoad:
-        queued = sum(len(j.decode.context_token_ids()) for j, _ in self.queue)
-        if self.current is not None:
-            queued += len(self.current.context_token_ids())
-        queued += sum(len(j.context_token_ids()) for j in self.batching)
-        return WorkerLoad(active_seqs=int(self.current is not None) + len(self.batching),
-                          queued_requests=len(self.queue),
-                          queued_prefill_tokens=queued,
-                          cached_blocks=sum(self.store.stats().blocks.values()) if self.store is not None else 0)
+        running = [*([self.current] if self.current is not None else []), *self.batching]
+        return prefiller_load(
+            running=len(running), waiting=len(self.queue),
+            running_tokens=sum(len(j.context_token_ids()) for j in running),
+            waiting_tokens=sum(len(j.decode.context_token_ids()) for j, _ in self.queue),
+            free_blocks=self.pool.num_free if hasattr(self, "pool") else 0,
+            total_blocks=self.pool.num_blocks if hasattr(self, "pool") else 0,
+            used_blocks=self.pool.num_blocks - self.pool.num_free if hasattr(self, "pool") else 0,
+            cached_blocks=sum(self.store.stats().blocks.values()) if self.store is not None else 0)
 
     def active_requests(self) -> list[str]:
         keys = [j.decode.key for j, _ in self.queue]  # proto.request_key: ids are unique per tenant only

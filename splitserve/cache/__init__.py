@@ -12,7 +12,11 @@ from splitserve.cache.events import (
     BlockStored,
     KvEvent,
     KvEventBatch,
+    batch,
+    cleared,
     event_from_dict,
+    removed,
+    stored,
 )
 from splitserve.cache.hashing import (
     DEFAULT_BLOCK_SIZE,
@@ -40,10 +44,14 @@ __all__ = [
     "KvEventBatch",
     "PrefixIndex",
     "TierOverlap",
+    "batch",
+    "cleared",
     "event_from_dict",
     "hash_token_blocks",
     "mooncake_block_hashes",
     "num_full_blocks",
     "pack_tokens",
+    "removed",
     "root_hash",
+    "stored",
 ]

@@ -59,7 +59,7 @@ from typing import Any, Final
 import torch
 from torch import Tensor
 
-from splitserve.cache.events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from splitserve.cache.events import CPU, GPU, KvEvent, cleared, removed, stored
 from splitserve.cache.hashing import DEFAULT_BLOCK_SIZE, hash_token_blocks, root_hash
 
 __all__ = ["Match", "PrefixKvStore", "StoreStats"]
@@ -350,8 +350,8 @@ class PrefixKvStore:
                 for h in reversed(hashes[:a]):
                     mlru.move_to_end(h)
                 self._promotions += p
-                self._events.append(BlockStored(list(promoted), self._parent[promoted[0]], None, bs, None, GPU))
-                self._events.append(BlockRemoved(list(promoted), CPU))
+                self._events.append(stored(list(promoted), self._parent[promoted[0]], block_size=bs, medium=GPU))
+                self._events.append(removed(list(promoted), CPU))
         return Match(b * bs, out.view(L, 2, H, b * bs, D), hashes, tier_hits, bs)
 
     # ------------------------------------------------------------------------------------------ updates
@@ -413,9 +413,9 @@ class PrefixKvStore:
         for i in range(b, k):  # promoted blocks [a, b) keep theirs
             parent[hashes[i]] = hashes[i - 1] if i else None
         self._inserted += m
-        self._events.append(BlockStored(list(new), first_parent, None, bs, None, GPU))
+        self._events.append(stored(list(new), first_parent, block_size=bs, medium=GPU))
         if b > a:
-            self._events.append(BlockRemoved(hashes[a:b], CPU))
+            self._events.append(removed(hashes[a:b], CPU))
         return m
 
     def clear(self) -> None:
@@ -425,7 +425,7 @@ class PrefixKvStore:
             self._l1.reset()
         self._parent.clear()
         self._clears += 1
-        self._events.append(AllBlocksCleared(None))
+        self._events.append(cleared(None))
 
     def drain_events(self) -> list[KvEvent]:
         """Events since the last drain, in order; the caller publishes them as one sequenced batch."""
@@ -492,7 +492,7 @@ class PrefixKvStore:
                     del parent[h]
                 self._evictions[CPU] += old
                 self._dropped += old
-                self._events.append(BlockRemoved(old_hashes, CPU))
+                self._events.append(removed(old_hashes, CPU))
             gone = [h for h, _ in evicted[: overflow - old]]
             keep = evicted[overflow - old :]
             if keep:
@@ -514,11 +514,11 @@ class PrefixKvStore:
                 # eviction order is leaf first; reversed, chains read root-to-leaf for the events
                 kept.reverse()
                 for run, p in _chain_segments(kept, [parent[h] for h in kept]):
-                    self._events.append(BlockStored(run, p, None, self.block_size, None, CPU))
+                    self._events.append(stored(run, p, block_size=self.block_size, medium=CPU))
         for h in gone:
             del parent[h]
         self._dropped += len(gone)
-        self._events.append(BlockRemoved([h for h, _ in evicted], GPU))
+        self._events.append(removed([h for h, _ in evicted], GPU))
 
     # ------------------------------------------------------------------------------------------ introspection
     def held(self) -> dict[str, list[int]]:

@@ -179,22 +179,21 @@ class Sim:
     # ------------------------------------------------------------------------------------------ heartbeats
     def _heartbeat(self, w: DecodeWorker | PrefillWorker, schedule: bool = True) -> None:
         now = self.loop.now
-        active, queued, qtokens = w.load()
-        cache = w.cache
+        ld = w.load()  # the live worker's rule (splitserve.routing.load)
         pool = w.pool if w.role == "decode" else "general"
-        step = round(w.step_ms_ema, 2) if (w.role == "decode" and w.step_ms_ema is not None) else None
-        rate = round(w.rate, 1)
-        view = view_from_load(w.wid, w.role, pool, active_seqs=active, queued_prefill_tokens=qtokens,
-                              free_blocks=max(0, cache.free), total_blocks=cache.total, used_blocks=cache.used,
-                              prefill_tokens_per_s=rate, step_ms=step)
+        active = ld.active_seqs
+        view = view_from_load(w.wid, w.role, pool, active_seqs=active, queued_prefill_tokens=ld.queued_prefill_tokens,
+                              free_blocks=ld.free_blocks, total_blocks=ld.total_blocks, used_blocks=ld.used_blocks,
+                              prefill_tokens_per_s=ld.prefill_tokens_per_s, step_ms=ld.step_ms)
         held = w.active()
         wid = w.wid
         if self.cfg.record:  # the heartbeat's active_requests: request keys (ids are unique per tenant only)
             self.log.append(("hb", now, wid, w.role, pool, {
-                "active_seqs": active, "queued_requests": queued, "queued_prefill_tokens": qtokens,
-                "free_blocks": max(0, cache.free), "total_blocks": cache.total, "used_blocks": cache.used,
-                "prefill_tokens_per_s": rate, "step_ms": step,
-                "max_seqs": w.max_seqs if isinstance(w, DecodeWorker) else None}, [s.key for s in held]))
+                "active_seqs": active, "queued_requests": ld.queued_requests,
+                "queued_prefill_tokens": ld.queued_prefill_tokens, "free_blocks": ld.free_blocks,
+                "total_blocks": ld.total_blocks, "used_blocks": ld.used_blocks,
+                "prefill_tokens_per_s": ld.prefill_tokens_per_s, "step_ms": ld.step_ms, "max_seqs": ld.max_seqs},
+                [s.key for s in held]))
         pos = self._pos.get(wid)
         if pos is None:
             self._register(w, view)
@@ -203,7 +202,7 @@ class Sim:
         # As the live router: the book takes the report, and every request of its it lists is released from the
         # pending-load ledger (this worker's own figures count it now).
         release = self.router.release
-        for key in self.book.heartbeat(wid, w.role, [s.key for s in held], now, running=active + queued,
+        for key in self.book.heartbeat(wid, w.role, [s.key for s in held], now, running=active + ld.queued_requests,
                                        max_seqs=w.max_seqs if isinstance(w, DecodeWorker) else None, pool=pool):
             release(key, wid)
         if schedule:
@@ -232,7 +231,7 @@ class Sim:
 
     def _kv_arrive(self, batch: KvEventBatch) -> None:
         if self.cfg.record:
-            self.log.append(("kv", self.loop.now, batch.to_dict()))
+            self.log.append(("kv", self.loop.now, batch.model_dump()))
         self.router.apply_events(batch)
 
     # ------------------------------------------------------------------------------------------ requests

@@ -26,8 +26,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from splitserve.cache.events import BlockRemoved, BlockStored, KvEvent, KvEventBatch
-from splitserve.proto import request_key
+from splitserve.cache.events import KvEvent, KvEventBatch, batch, removed, stored
+from splitserve.proto import WorkerLoad, request_key
+from splitserve.routing.load import decoder_load, prefiller_load
 
 if TYPE_CHECKING:
     from splitserve.sim.clock import EventLoop
@@ -162,7 +163,7 @@ class PrefixCache:
             lru[h] = None
             lru.move_to_end(h, last=False)
         if gone:
-            self.events.append(BlockRemoved(gone))
+            self.events.append(removed(gone))
             self.evicted += len(gone)
         return len(gone) >= need
 
@@ -186,7 +187,7 @@ class PrefixCache:
         new = new[:room]  # a chain's leading blocks are the reusable ones
         for h in new:
             lru[h] = None
-        self.events.append(BlockStored(new, block_size=self.bs))
+        self.events.append(stored(new, block_size=self.bs))
 
 
 class _Worker:
@@ -210,7 +211,7 @@ class _Worker:
         if ev:
             self.kv_seq += 1
             self.cache.events = []
-            self.c.publish_kv(KvEventBatch(self.wid, self.kv_seq, self.c.loop.now * 1000.0, ev))
+            self.c.publish_kv(batch(self.wid, self.kv_seq, ev, self.c.loop.now * 1000.0))
 
     def _ran(self, dur: float) -> None:
         self.busy_s += dur
@@ -289,9 +290,13 @@ class PrefillWorker(_Worker):
             self.c.loop.after(self.c.transfer_s(s, nbytes, compute), self.c.kv_landed, s)
         self.flush_events()
 
-    def load(self) -> tuple[int, int, int]:
-        """(active sequences, queued requests, queued prefill tokens)."""
-        return len(self.batch), len(self.q), self.queued_tokens
+    def load(self) -> WorkerLoad:
+        """Its heartbeat's load, by the live prefiller's rule (``splitserve.routing.load``)."""
+        return prefiller_load(running=len(self.batch), waiting=len(self.q),
+                              running_tokens=sum(s.todo for s in self.batch), waiting_tokens=self.queued_tokens,
+                              free_blocks=max(0, self.cache.free), total_blocks=self.cache.total,
+                              used_blocks=self.cache.used,
+                              prefill_tokens_per_s=round(self.rate, 1))
 
     def active(self) -> list[Seq]:
         """The sequences it holds, in the order its heartbeat lists them."""
@@ -536,9 +541,14 @@ class DecodeWorker(_Worker):
             self.flush_events()
 
     # --- reports -------------------------------------------------------------------------------------------
-    def load(self) -> tuple[int, int, int]:
-        prefill_left = sum(s.todo for s in self.prefilling) + self.queued_tokens
-        return len(self.running) + len(self.prefilling), len(self.waiting), prefill_left
+    def load(self) -> WorkerLoad:
+        """Its heartbeat's load, by the live decoder's rule (``splitserve.routing.load``)."""
+        cache = self.cache
+        return decoder_load(decoding=len(self.running), prefilling=len(self.prefilling), waiting=len(self.waiting),
+                            prefill_tokens_left=sum(s.todo for s in self.prefilling),
+                            waiting_prefill_tokens=self.queued_tokens, max_seqs=self.max_seqs,
+                            free_blocks=max(0, cache.free), total_blocks=cache.total, used_blocks=cache.used,
+                            prefill_tokens_per_s=round(self.rate, 1), step_ms=self.step_ms_ema)
 
     def active(self) -> list[Seq]:
         """The sequences it holds, in the order its heartbeat lists them."""

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from splitserve import proto
 from splitserve.cache import (
     AllBlocksCleared,
     BlockRemoved,
@@ -16,7 +17,12 @@ from splitserve.cache import (
     KvEventBatch,
     PrefixIndex,
     TierOverlap,
+    batch,
+    cleared,
+    event_from_dict,
     hash_token_blocks,
+    removed,
+    stored,
 )
 
 WORKERS = ["w0", "w1", "w2", "w3", "w4"]
@@ -74,7 +80,7 @@ class Model:
 
 
 events_st = st.one_of(
-    st.builds(BlockStored, block_hashes=HASH_LISTS, medium=st.sampled_from(MEDIA)),
+    st.builds(BlockStored, block_hashes=HASH_LISTS, block_size=st.just(16), medium=st.sampled_from(MEDIA)),
     st.builds(BlockRemoved, block_hashes=HASH_LISTS, medium=st.sampled_from(MEDIA)),
     st.builds(AllBlocksCleared, medium=st.sampled_from([None, *MEDIA])),
 )
@@ -96,8 +102,8 @@ class IndexMachine(RuleBasedStateMachine):
     ) -> None:
         nxt = self.index.expected_seq(worker)
         seq = {"next": nxt, "gap": nxt + 2, "dup": max(nxt - 2, 0), "zero": 0}[seq_kind]
-        batch = KvEventBatch(worker, seq, 0.0, events)
-        assert self.index.apply(batch) == self.model.apply(batch)
+        b = batch(worker, seq, ts_ms=0.0, events=list(events))
+        assert self.index.apply(b) == self.model.apply(b)
 
     @rule(worker=st.sampled_from(WORKERS), hashes=HASH_LISTS, medium=st.sampled_from(MEDIA))
     def direct_store(self, worker: str, hashes: list[int], medium: str) -> None:
@@ -179,15 +185,15 @@ TestIndexAgainstModel = IndexMachine.TestCase
 
 
 def _stored(hashes: list[int], medium: str = "gpu") -> BlockStored:
-    return BlockStored(block_hashes=hashes, medium=medium)
+    return stored(hashes, block_size=16, medium=medium)
 
 
 def test_lookup_counts_leading_run_per_worker() -> None:
     idx = PrefixIndex()
     hs = hash_token_blocks(list(range(16 * 6)), 16)
-    idx.apply(KvEventBatch("a", 0, 0.0, [_stored(hs[:5])]))
-    idx.apply(KvEventBatch("b", 0, 0.0, [_stored(hs[:2]), _stored(hs[3:6])]))  # hole at block 2
-    idx.apply(KvEventBatch("c", 0, 0.0, [_stored(hs[1:6])]))  # no first block: matches nothing
+    idx.apply(batch("a", 0, ts_ms=0.0, events=[_stored(hs[:5])]))
+    idx.apply(batch("b", 0, ts_ms=0.0, events=[_stored(hs[:2]), _stored(hs[3:6])]))  # hole at block 2
+    idx.apply(batch("c", 0, ts_ms=0.0, events=[_stored(hs[1:6])]))  # no first block: matches nothing
     assert idx.lookup(hs) == {"a": 5, "b": 2}
     assert idx.lookup(hs[:1]) == {"a": 1, "b": 1}
     assert idx.lookup([]) == {}
@@ -216,9 +222,9 @@ def test_tiers_any_and_per_medium() -> None:
 
 def test_sequence_gap_is_reported_and_batch_still_applied() -> None:
     idx = PrefixIndex()
-    assert idx.apply(KvEventBatch("a", 0, 0.0, [_stored([1])])) is False
-    assert idx.apply(KvEventBatch("a", 1, 0.0, [_stored([2])])) is False
-    assert idx.apply(KvEventBatch("a", 5, 0.0, [_stored([3])])) is True  # 2..4 lost
+    assert idx.apply(batch("a", 0, ts_ms=0.0, events=[_stored([1])])) is False
+    assert idx.apply(batch("a", 1, ts_ms=0.0, events=[_stored([2])])) is False
+    assert idx.apply(batch("a", 5, ts_ms=0.0, events=[_stored([3])])) is True  # 2..4 lost
     assert idx.lookup([1, 2, 3]) == {"a": 3}
     assert idx.expected_seq("a") == 6
     assert idx.stats().gaps == 1
@@ -226,23 +232,23 @@ def test_sequence_gap_is_reported_and_batch_still_applied() -> None:
 
 def test_first_batch_mid_stream_is_a_gap() -> None:
     idx = PrefixIndex()
-    assert idx.apply(KvEventBatch("late", 41, 0.0, [_stored([1])])) is True
+    assert idx.apply(batch("late", 41, ts_ms=0.0, events=[_stored([1])])) is True
 
 
 def test_duplicate_batch_is_ignored() -> None:
     idx = PrefixIndex()
-    idx.apply(KvEventBatch("a", 0, 0.0, [_stored([1, 2])]))
-    idx.apply(KvEventBatch("a", 1, 0.0, [BlockRemoved([2])]))
-    assert idx.apply(KvEventBatch("a", 0 + 1, 0.0, [_stored([2])])) is False  # redelivered seq 1
+    idx.apply(batch("a", 0, ts_ms=0.0, events=[_stored([1, 2])]))
+    idx.apply(batch("a", 1, ts_ms=0.0, events=[removed([2])]))
+    assert idx.apply(batch("a", 0 + 1, ts_ms=0.0, events=[_stored([2])])) is False  # redelivered seq 1
     assert idx.lookup([1, 2]) == {"a": 1}
     assert idx.stats().stale_batches == 1
 
 
 def test_seq_zero_from_known_worker_means_restart() -> None:
     idx = PrefixIndex()
-    idx.apply(KvEventBatch("a", 0, 0.0, [_stored([1, 2])]))
-    idx.apply(KvEventBatch("a", 1, 0.0, [_stored([3])]))
-    assert idx.apply(KvEventBatch("a", 0, 0.0, [_stored([7])])) is False
+    idx.apply(batch("a", 0, ts_ms=0.0, events=[_stored([1, 2])]))
+    idx.apply(batch("a", 1, ts_ms=0.0, events=[_stored([3])]))
+    assert idx.apply(batch("a", 0, ts_ms=0.0, events=[_stored([7])])) is False
     assert idx.lookup([1, 2, 3]) == {}
     assert idx.lookup([7]) == {"a": 1}
     assert idx.stats().restarts == 1
@@ -253,9 +259,9 @@ def test_remove_and_clear_worker() -> None:
     idx.store("a", [1, 2, 3])
     idx.store("b", [1, 2])
     idx.store("b", [3], "cpu")
-    idx.apply(KvEventBatch("b", 0, 0.0, [AllBlocksCleared("cpu")]))
+    idx.apply(batch("b", 0, ts_ms=0.0, events=[cleared("cpu")]))
     assert idx.lookup([1, 2, 3]) == {"a": 3, "b": 2}
-    idx.apply(KvEventBatch("b", 1, 0.0, [AllBlocksCleared()]))
+    idx.apply(batch("b", 1, ts_ms=0.0, events=[cleared()]))
     assert idx.lookup([1, 2, 3]) == {"a": 3}
     assert "b" in idx
     assert idx.remove_worker("a") is True
@@ -277,9 +283,9 @@ def test_retired_positions_are_recycled() -> None:
 
 def test_snapshot_roundtrip_keeps_seq_and_tiers() -> None:
     idx = PrefixIndex()
-    idx.apply(KvEventBatch("a", 0, 0.0, [_stored([1, 2, 3]), _stored([4], "cpu")]))
-    idx.apply(KvEventBatch("b", 0, 0.0, [_stored([1, 2])]))
-    idx.apply(KvEventBatch("b", 1, 0.0, [_stored([9])]))
+    idx.apply(batch("a", 0, ts_ms=0.0, events=[_stored([1, 2, 3]), _stored([4], "cpu")]))
+    idx.apply(batch("b", 0, ts_ms=0.0, events=[_stored([1, 2])]))
+    idx.apply(batch("b", 1, ts_ms=0.0, events=[_stored([9])]))
     blob = idx.snapshot()
     other = PrefixIndex()
     other.restore(blob)
@@ -287,7 +293,7 @@ def test_snapshot_roundtrip_keeps_seq_and_tiers() -> None:
     assert other.lookup([1, 2, 3, 4], "gpu") == {"a": 3, "b": 2}
     assert other.expected_seq("b") == 2
     assert other.stats().worker_blocks == idx.stats().worker_blocks
-    assert other.apply(KvEventBatch("b", 2, 0.0, [])) is False
+    assert other.apply(batch("b", 2, ts_ms=0.0, events=[])) is False
 
 
 def test_restore_rejects_garbage() -> None:
@@ -297,56 +303,35 @@ def test_restore_rejects_garbage() -> None:
         PrefixIndex().restore(msgpack.packb({"v": 99}))
 
 
-def test_event_dict_roundtrip_matches_wire_shape() -> None:
-    batch = KvEventBatch(
-        "w",
-        3,
-        12.5,
-        [
-            BlockStored([1, 2], parent_block_hash=7, token_ids=[5] * 32, block_size=16, lora_id=None),
-            BlockRemoved([2], medium="cpu"),
-            AllBlocksCleared(),
-        ],
-    )
-    d = batch.to_dict()
-    assert [e["type"] for e in d["events"]] == ["stored", "removed", "cleared"]
-    assert KvEventBatch.from_dict(d) == batch
-    # vLLM spellings (upper-case media, class-name tags) are accepted.
-    vllm_like = {
-        "worker_id": "w",
-        "seq": 0,
-        "ts": 1.0,
-        "events": [
-            {
-                "type": "BlockStored",
-                "block_hashes": [1],
-                "parent_block_hash": None,
-                "token_ids": [1] * 16,
-                "block_size": 16,
-                "lora_id": None,
-                "medium": "GPU",
-            }
-        ],
-    }
-    b = KvEventBatch.from_dict(vllm_like)
-    assert isinstance(b.events[0], BlockStored) and b.events[0].medium == "gpu" and b.ts_ms == 1.0
+def test_the_index_applies_what_came_off_the_wire() -> None:
+    """One vocabulary: the events a worker builds are the wire models; decoded, they are what the index applies."""
+    sent = batch("w", 0, [stored([1, 2], parent_block_hash=7, token_ids=[5] * 32, block_size=16),
+                          removed([2], medium="cpu"), cleared("cpu"), stored([3], block_size=16)], ts_ms=12.5)
+    got = proto.decode(proto.encode(sent), KvEventBatch)
+    assert got == sent and [e.type for e in got.events] == ["stored", "removed", "cleared", "stored"]
+    idx = PrefixIndex()
+    assert idx.apply(got) is False
+    assert idx.lookup([1, 2]) == {"w": 2}  # the cpu tier was cleared; the gpu one holds the chain
 
 
-def test_event_dicts_validate_against_the_wire_models() -> None:
-    proto = pytest.importorskip("proto")
-    batch = KvEventBatch(
-        "w1", 0, 1.0, [BlockStored([1, 2], block_size=16), BlockRemoved([1]), AllBlocksCleared()]
-    )
-    wire = proto.KvEventBatch.model_validate(batch.to_dict())
-    assert KvEventBatch.from_dict(wire.model_dump()) == batch
+def test_vllm_spellings_are_accepted() -> None:
+    """vLLM's class-name tags and upper-case media decode to the same events."""
+    ev = event_from_dict({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                          "token_ids": [1] * 16, "block_size": 16, "lora_id": None, "medium": "GPU"})
+    assert isinstance(ev, BlockStored) and ev.medium == "gpu"
+    wire = KvEventBatch.model_validate({"worker_id": "w", "seq": 0, "events": [
+        {"type": "removed", "block_hashes": [1], "medium": "CPU"}]})
+    assert wire.events[0].medium == "cpu"
+    with pytest.raises(ValueError):
+        event_from_dict({"type": "BlockMoved", "block_hashes": [1]})
 
 
 def test_resync_replaces_a_workers_residency_after_a_gap() -> None:
     idx = PrefixIndex()
-    idx.apply(KvEventBatch("a", 0, 0.0, [_stored([1, 2, 3])]))
-    assert idx.apply(KvEventBatch("a", 4, 0.0, [BlockRemoved([3])])) is True  # 1..3 lost
+    idx.apply(batch("a", 0, ts_ms=0.0, events=[_stored([1, 2, 3])]))
+    assert idx.apply(batch("a", 4, ts_ms=0.0, events=[removed([3])])) is True  # 1..3 lost
     idx.resync("a", 7, {"gpu": [1, 5], "cpu": [6]})  # the worker's full state as of its batch 7
     assert idx.lookup([1, 2]) == {"a": 1}
     assert idx.lookup([5, 6]) == {"a": 2}
-    assert idx.apply(KvEventBatch("a", 8, 0.0, [_stored([2])])) is False
+    assert idx.apply(batch("a", 8, ts_ms=0.0, events=[_stored([2])])) is False
     assert idx.lookup([1, 2]) == {"a": 2}

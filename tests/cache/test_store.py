@@ -15,13 +15,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from splitserve.cache import (
     CPU,
     GPU,
-    AllBlocksCleared,
     BlockRemoved,
-    BlockStored,
     KvEvent,
-    KvEventBatch,
     PrefixIndex,
+    batch,
+    cleared,
     hash_token_blocks,
+    removed,
+    stored,
 )
 from splitserve.cache.store import PrefixKvStore
 
@@ -67,7 +68,7 @@ class Replica:
         self.seq = 0
 
     def feed(self, events: list[KvEvent]) -> None:
-        assert not self.index.apply(KvEventBatch(WORKER, self.seq, 0.0, events))
+        assert not self.index.apply(batch(WORKER, self.seq, ts_ms=0.0, events=events))
         self.seq += 1
 
     def assert_agrees(self, store: PrefixKvStore) -> None:
@@ -201,7 +202,7 @@ def test_clear_and_stats() -> None:
     assert s.to_dict()["request_hit_ratio"] == 0.5
     store.drain_events()
     store.clear()
-    assert store.drain_events() == [AllBlocksCleared(None)]
+    assert store.drain_events() == [cleared(None)]
     assert store.held() == {GPU: [], CPU: []}
     assert store.match(seq).num_tokens == 0
     assert store.insert(seq, kv_for(seq)) == 5  # the free lists were reset
@@ -216,11 +217,11 @@ def test_lru_eviction_order_and_events() -> None:
     ha, hb, hc = (hash_token_blocks(s, 4) for s in (a, b, c))
     store.insert(a, kv_for(a))
     store.insert(b, kv_for(b))
-    assert store.drain_events() == [BlockStored(ha, None, None, 4), BlockStored(hb, None, None, 4)]
+    assert store.drain_events() == [stored(ha, None, block_size=4), stored(hb, None, block_size=4)]
     assert store.match(a + [1]).num_blocks == 2  # touches a: b is now least recently used
     store.insert(c, kv_for(c))
     # leaf first, then its parent; one removal event for the batch
-    assert store.drain_events() == [BlockRemoved([hb[1], hb[0]], GPU), BlockStored(hc, None, None, 4)]
+    assert store.drain_events() == [removed([hb[1], hb[0]], GPU), stored(hc, None, block_size=4)]
     assert store.held() == {GPU: [ha[1], ha[0], hc[1], hc[0]]}  # LRU first; each chain's root after its leaf
     assert store.stats().evictions[GPU] == 2 and store.stats().dropped == 2
 
@@ -238,8 +239,8 @@ def test_evicts_leaves_before_parents() -> None:
         store.drain_events()
         r = toks(1000 + 10 * i, 4)
         store.insert(r, kv_for(r))
-        (removed,) = (e for e in store.drain_events() if isinstance(e, BlockRemoved))
-        evicted += removed.block_hashes
+        (gone,) = (e for e in store.drain_events() if isinstance(e, BlockRemoved))
+        evicted += gone.block_hashes
         check_structure(store)
     assert evicted == [hp[2], hp[1], hq[1], hp[0]]
 
@@ -252,19 +253,19 @@ def test_demotion_to_l1_and_promotion_back() -> None:
     store.drain_events()
     store.insert(b, kv_for(b))
     assert store.drain_events() == [
-        BlockStored(ha, None, None, 4, None, CPU),  # chain order, make before break
-        BlockRemoved([ha[1], ha[0]], GPU),
-        BlockStored(hb, None, None, 4, None, GPU),
+        stored(ha, None, block_size=4, medium=CPU),  # chain order, make before break
+        removed([ha[1], ha[0]], GPU),
+        stored(hb, None, block_size=4, medium=GPU),
     ]
     assert store.held() == {GPU: [hb[1], hb[0]], CPU: [ha[1], ha[0]]}
     m = store.match(a + [5])
     assert m.tier_hits == {GPU: 0, CPU: 2}
     assert m.kv is not None and torch.equal(m.kv, kv_for(a))
     assert store.drain_events() == [
-        BlockStored(hb, None, None, 4, None, CPU),
-        BlockRemoved([hb[1], hb[0]], GPU),
-        BlockStored(ha, None, None, 4, None, GPU),
-        BlockRemoved(ha, CPU),
+        stored(hb, None, block_size=4, medium=CPU),
+        removed([hb[1], hb[0]], GPU),
+        stored(ha, None, block_size=4, medium=GPU),
+        removed(ha, CPU),
     ]
     assert store.held() == {GPU: [ha[1], ha[0]], CPU: [hb[1], hb[0]]}
     s = store.stats()

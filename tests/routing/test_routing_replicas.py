@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from splitserve.cache import BlockStored, KvEventBatch, hash_token_blocks
+from splitserve.cache import batch, hash_token_blocks, stored
 from splitserve.routing import Router, RoutingRequest, WorkerView
 
 BS = 16
@@ -43,9 +43,9 @@ def test_kvaware_agrees_across_replicas_fed_the_same_events() -> None:
     docs = {f"d{i}": _tokens(100 + i, 512) for i in range(4)}
     seq = 0
     for wid, toks in docs.items():
-        batch = KvEventBatch(wid, seq, 0.0, [BlockStored(hash_token_blocks(toks, BS), block_size=BS)])
+        b = batch(wid, seq, ts_ms=0.0, events=[stored(hash_token_blocks(toks, BS), block_size=BS)])
         for r in replicas:
-            assert r.apply_events(batch) is False
+            assert r.apply_events(b) is False
     ws = _decoders(4)
     for wid, toks in docs.items():
         req = RoutingRequest(f"q-{wid}", token_ids=toks + _tokens(7, 40))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from splitserve.cache import BlockStored, KvEventBatch, PrefixIndex, hash_token_blocks
+from splitserve.cache import PrefixIndex, batch, hash_token_blocks, stored
 from splitserve.routing import (
     DIRECT,
     DISAGGREGATED,
@@ -70,7 +70,7 @@ def test_cached_prefix_on_decoder_makes_a_long_prompt_direct() -> None:
     idx = PrefixIndex()
     toks = tokens(3, 3000)
     hs = hash_token_blocks(toks, BS)
-    idx.apply(KvEventBatch("d1", 0, 0.0, [BlockStored(hs[:180], block_size=BS)]))  # 2880 of 3000 cached
+    idx.apply(batch("d1", 0, ts_ms=0.0, events=[stored(hs[:180], block_size=BS)]))  # 2880 of 3000 cached
     router = Router("kvaware", index=idx, disagg_threshold=512)
     d = router.decide(RoutingRequest("r", token_ids=toks), pool(), 0.0)
     assert (d.decoder, d.route, d.reason) == ("d1", DIRECT, "short_uncached")
@@ -170,9 +170,9 @@ def test_apply_events_feeds_the_replica() -> None:
     router = Router("kvaware")
     toks = tokens(8, 1024)
     hs = hash_token_blocks(toks, BS)
-    assert router.apply_events(KvEventBatch("d2", 0, 0.0, [BlockStored(hs, block_size=BS)])) is False
+    assert router.apply_events(batch("d2", 0, ts_ms=0.0, events=[stored(hs, block_size=BS)])) is False
     assert router.decide(RoutingRequest("r", token_ids=toks), pool(), 0.0).decoder == "d2"
-    assert router.apply_events(KvEventBatch("d2", 5, 0.0, [])) is True
+    assert router.apply_events(batch("d2", 5, ts_ms=0.0, events=[])) is True
     router.remove_worker("d2")
     assert router.decide(RoutingRequest("r2", token_ids=toks), pool(), 1.0).cached_tokens == 0
 

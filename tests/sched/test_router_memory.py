@@ -7,16 +7,15 @@ none unless a queue report asked for them.)"""
 from __future__ import annotations
 
 import gc
-import time
 import tracemalloc
-import types
 
 import pytest
 from opentelemetry import trace
 
-import splitserve.services.router.service as service_mod
+import splitserve.services.router.core as core_mod
 from splitserve import proto
-from splitserve.services.router.service import RouterService, _Rate
+from splitserve.services.router.core import _Rate
+from splitserve.services.router.service import RouterService
 from tests.recording_bus import RecordingBus
 
 
@@ -46,10 +45,9 @@ async def _run(svc: RouterService, bus: RecordingBus, clock: list[float], start:
 
 async def test_router_memory_does_not_grow_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [1000.0]
-    monkeypatch.setattr(service_mod, "time", types.SimpleNamespace(
-        monotonic=lambda: clock[0], time=time.time, perf_counter=time.perf_counter))
-    monkeypatch.setattr(service_mod, "RECENT_ENDS_KEPT", 500)  # every bound reached early in the run
+    monkeypatch.setattr(core_mod, "RECENT_ENDS_KEPT", 500)  # every bound reached early in the run
     svc = RouterService("router-mem", "nats://127.0.0.1:1", queue=False, strategy="kvaware", log_level="WARNING")
+    svc.clock = lambda: clock[0]
     svc.make_policy()
     bus = RecordingBus()
     svc.bus = bus  # type: ignore[assignment]

@@ -4,8 +4,6 @@ their timers meanwhile (the lost-job check moves ``routed_at`` forward once per 
 
 from __future__ import annotations
 
-import types
-
 import pytest
 from opentelemetry import trace
 
@@ -23,14 +21,13 @@ def _hb(pid: int, seq: int, keys: list[str]) -> proto.Heartbeat:
 
 async def test_only_the_old_process_requests_move_when_a_worker_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [100.0]
-    now = types.SimpleNamespace(monotonic=lambda: clock[0], time=lambda: clock[0], perf_counter=lambda: clock[0])
-    monkeypatch.setattr(service_mod, "time", now)
     moved: list[str] = []
 
     async def migrate(inf: object, *_: object, **__: object) -> None:
         moved.append(inf.request_id)  # type: ignore[attr-defined]
 
     svc = RouterService("router-rp", "nats://127.0.0.1:1", queue=False)
+    svc.clock = lambda: clock[0]
     svc.make_policy()
     bus = RecordingBus()
     spawned: list[object] = []

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from splitserve.proto import ChatMessage, GenerateRequest
-from splitserve.services.router.service import OPEN_MODE_MAX_TENANTS, RouterService
+from splitserve.services.router.intake import OPEN_MODE_MAX_TENANTS
+from splitserve.services.router.service import RouterService
 from splitserve.services.router.tokenize import PromptTokenizer
 
 

@@ -11,13 +11,11 @@ dispatch the free decode slots the simulator's did (the same ``RequestBook``, fe
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import pytest
 from opentelemetry import trace
 
-import splitserve.services.router.service as service_mod
 from splitserve import proto
 from splitserve.services.router.service import RouterService
 from splitserve.sim import SimConfig, synthetic
@@ -42,13 +40,13 @@ def _run_sim(strategy: str) -> Sim:
 
 async def _replay(
     sim: Sim, strategy: str, monkeypatch: pytest.MonkeyPatch
-) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+) -> tuple[list[tuple[dict[str, Any], dict[str, Any]]], list[tuple[int, int]]]:
     cfg = sim.cfg
     clock = [0.0]
-    monkeypatch.setattr(service_mod, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     svc = RouterService("router-eq", "nats://127.0.0.1:1", strategy=strategy, disagg_threshold=cfg.disagg_threshold,
                         max_stall_ms=cfg.max_stall_ms, decoder_prefill_tps=cfg.decoder_prefill_tps,
                         long_prompt_tokens=cfg.long_prompt_tokens)
+    svc.clock = lambda: clock[0]
     svc.make_policy()
     bus = RecordingBus()
     svc.bus = bus  # type: ignore[assignment]
@@ -86,14 +84,14 @@ async def _replay(
                                        usage=proto.Usage(prompt_tokens=p, completion_tokens=o))
             await svc.on_finished(ev, None)  # type: ignore[arg-type]
     assert len(slots) == len(pairs)
-    assert [s for s, _ in slots] == [live for _, live in slots], "the live router paces dispatch differently"
-    return pairs
+    return pairs, slots
 
 
 @pytest.mark.parametrize("strategy", ["kvaware", "roundrobin", "prefixaware"])
 async def test_sim_decisions_equal_live_router(strategy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     sim = _run_sim(strategy)
-    pairs = await _replay(sim, strategy, monkeypatch)
+    pairs, slots = await _replay(sim, strategy, monkeypatch)
+    assert [s for s, _ in slots] == [live for _, live in slots], "the live router paces dispatch differently"
     assert len(pairs) == 40
     for sim_d, live_d in pairs:
         assert live_d == sim_d
@@ -108,5 +106,5 @@ async def test_replay_detects_a_diverging_policy(monkeypatch: pytest.MonkeyPatch
     """The comparison can fail: a live router with another disaggregation threshold decides differently."""
     sim = _run_sim("kvaware")
     sim.cfg.disagg_threshold = 64
-    pairs = await _replay(sim, "kvaware", monkeypatch)
+    pairs, _ = await _replay(sim, "kvaware", monkeypatch)
     assert any(s["route"] != live["route"] or s["thresholds"] != live["thresholds"] for s, live in pairs)

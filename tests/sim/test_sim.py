@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve.cache.events import BlockRemoved, BlockStored, KvEventBatch
+from splitserve.cache.events import BlockRemoved, BlockStored, batch
 from splitserve.cache.index import PrefixIndex
 from splitserve.sim import (
     SimConfig,
@@ -190,7 +190,7 @@ def test_prefix_cache_events_keep_the_index_equal_to_the_cache(ops: list[tuple[s
         assert all(h in cache.lru for h in cache.pins)  # pinned blocks are never evicted
         if cache.events:
             seq += 1
-            index.apply(KvEventBatch("w", seq, 0.0, cache.events))
+            index.apply(batch("w", seq, ts_ms=0.0, events=cache.events))
             cache.events = []
     ever = {1000 + g * 100 + k for g in range(7) for k in range(9)}
     assert {h for h in ever if index.holders(h)} == set(cache.lru)  # evictions reached the index too

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from opentelemetry import trace
 
 from splitserve import proto
-from splitserve.cache import BlockStored, KvEventBatch, hash_token_blocks
+from splitserve.cache import batch, hash_token_blocks, stored
 from splitserve.services.router import explain as explain_mod
 from splitserve.services.router.service import RouterService
 from splitserve.tenancy import MAX_REQUEST_CACHE_SALT, TenantsConfig, combine_cache_salt, load_tenants
@@ -128,9 +128,8 @@ async def _router(tmp_path: Path) -> tuple[RouterService, RecordingBus]:
 
 
 async def _stored(svc: RouterService, worker: str, salt: str | None, seq: int) -> None:
-    batch = KvEventBatch(worker, seq, 0.0, [BlockStored(hash_token_blocks(TOKENS, BS, cache_salt=salt),
-                                                        block_size=BS)])
-    await svc.on_kv_events(proto.KvEventBatch.model_validate(batch.to_dict()), None)  # type: ignore[arg-type]
+    b = batch(worker, seq, ts_ms=0.0, events=[stored(hash_token_blocks(TOKENS, BS, cache_salt=salt), block_size=BS)])
+    await svc.on_kv_events(proto.decode(proto.encode(b), proto.KvEventBatch), None)  # type: ignore[arg-type]
 
 
 async def _route(svc: RouterService, bus: RecordingBus, tenant: str, rid: str,
