@@ -13,7 +13,7 @@ TEST_WORKERS ?= 3
 TEST_FAST_WORKERS ?= 2
 ARGS ?=
 
-.PHONY: setup sysdeps run test test-fast lint bench clean lock
+.PHONY: setup sysdeps run test test-fast lint bench bench-peers clean lock
 
 setup: $(STAMP)
 
@@ -63,6 +63,12 @@ lint: setup
 
 bench: setup
 	$(PY) -m bench.e2e
+
+# splitserve beside vllm-router and sglang-router on the same zero-cost workers, one run (bench/peers.py); the
+# peers go into a venv of their own (pinned), never into .venv. ARGS: e.g. ARGS="--requests 4000 --json".
+bench-peers: setup
+	$(PY) -m bench.peers install
+	$(PY) -m bench.peers $(ARGS)
 
 # Refresh constraints.txt from the working venv (after changing dependencies): exact versions, no local paths.
 lock: setup

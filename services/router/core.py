@@ -332,11 +332,7 @@ class RouterCore(Service):
 
     @staticmethod
     def _view(hb: Heartbeat) -> WorkerView:
-        ld = hb.load
-        return view_from_load(hb.worker_id, hb.role, hb.pool, active_seqs=ld.active_seqs,
-                              queued_prefill_tokens=ld.queued_prefill_tokens, free_blocks=ld.free_blocks,
-                              total_blocks=ld.total_blocks, used_blocks=ld.used_blocks,
-                              prefill_tokens_per_s=ld.prefill_tokens_per_s, step_ms=ld.step_ms)
+        return view_from_load(hb.worker_id, hb.role, hb.pool, hb.load)
 
     # --- provided by the parts (declared here so each part type-checks on its own) ---------------------------
     async def _route(self, req: GenerateRequest, ids: list[int], msg: Msg | None, sp: trace.Span,

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Final
 
 from splitserve.cache.index import PrefixIndex
+from splitserve.proto import WorkerLoad
 from splitserve.routing.base import WorkerView
 from splitserve.routing.context import ContextPools
 from splitserve.routing.disagg import DisaggPolicy
@@ -40,14 +41,14 @@ def build_router(strategy: str, disagg: DisaggPolicy, index: PrefixIndex, long_p
                   context=ContextPools(long_prompt_tokens=long_prompt_tokens))
 
 
-def view_from_load(worker_id: str, role: str, pool: str, *, active_seqs: int, queued_prefill_tokens: int,
-                   free_blocks: int, total_blocks: int, used_blocks: int, prefill_tokens_per_s: float | None,
-                   step_ms: float | None) -> WorkerView:
-    """A heartbeat's load -> the policy's view of that worker (the fields the router decides on)."""
+def view_from_load(worker_id: str, role: str, pool: str, load: WorkerLoad) -> WorkerView:
+    """A heartbeat's load (live, or the simulator's by the same rule: ``splitserve.routing.load``) -> the policy's
+    view of that worker (the fields the router decides on)."""
     return WorkerView(
-        worker_id=worker_id, role=role, live=True, active_seqs=active_seqs,
-        queued_prefill_tokens=queued_prefill_tokens, free_blocks=free_blocks, total_blocks=total_blocks,
-        used_blocks=used_blocks, prefill_tokens_per_s=prefill_tokens_per_s, step_ms=step_ms, pool=pool,
+        worker_id=worker_id, role=role, live=True, active_seqs=load.active_seqs,
+        queued_prefill_tokens=load.queued_prefill_tokens, free_blocks=load.free_blocks,
+        total_blocks=load.total_blocks, used_blocks=load.used_blocks,
+        prefill_tokens_per_s=load.prefill_tokens_per_s, step_ms=load.step_ms, pool=pool,
     )
 
 

@@ -182,9 +182,7 @@ class Sim:
         ld = w.load()  # the live worker's rule (splitserve.routing.load)
         pool = w.pool if w.role == "decode" else "general"
         active = ld.active_seqs
-        view = view_from_load(w.wid, w.role, pool, active_seqs=active, queued_prefill_tokens=ld.queued_prefill_tokens,
-                              free_blocks=ld.free_blocks, total_blocks=ld.total_blocks, used_blocks=ld.used_blocks,
-                              prefill_tokens_per_s=ld.prefill_tokens_per_s, step_ms=ld.step_ms)
+        view = view_from_load(w.wid, w.role, pool, ld)
         held = w.active()
         wid = w.wid
         if self.cfg.record:  # the heartbeat's active_requests: request keys (ids are unique per tenant only)
