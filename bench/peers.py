@@ -8,7 +8,8 @@ Targets (``--targets``, all by default):
 * ``vllm-rr`` / ``vllm-ca``: vllm-router with ``round_robin`` / ``cache_aware`` over those workers;
 * ``sglang-ca``: sglang-router with ``cache_aware`` over those workers;
 * ``splitserve``: ``splitserve up --engine mock`` (step and prefill times zero), its front door's
-  ``/v1/completions``, with the durable queue on.
+  ``/v1/completions``, with the durable queue on; its own nats-server's monitoring counts the NATS messages
+  each service sends and receives per request (JetStream API calls and acks included).
 
 The peers are not project dependencies: they live in their own venv (``--peers-venv``, default
 ``/tmp/splitserve-peers``), created with pinned versions on first use (``make bench-peers``). A target whose
@@ -211,6 +212,7 @@ class Result:
     rps: dict[int, float] = field(default_factory=dict)
     errors: int = 0
     skipped: str | None = None
+    nats_msgs_per_request: dict[str, float] = field(default_factory=dict)  # splitserve: by service, in + out
 
 
 async def _one(session: Any, url: str, prompt: str, max_tokens: int, model: str) -> float:
@@ -296,25 +298,44 @@ def run_target(target: str, args: argparse.Namespace, logs: Path, workers: list[
             time.sleep(1.0)  # the router's first health checks of the workers
             return asyncio.run(measure(target, [url], MODEL, args))
         if target == "splitserve":
+            from splitserve.natsserver import start_nats
             from splitserve.stackproc import start_stack
 
             # zero-cost engine: no step time, no prefill time (what the peers' workers cost)
             env = {**os.environ, "SPLITSERVE_MOCK_STEP_MS": "0", "SPLITSERVE_MOCK_PREFILL_TPS": "1e12"}
+            # its own nats-server with monitoring: the messages each service sends and receives per request
+            nats = start_nats(logs / "nats", monitor=True)
             sp = start_stack(logs / "splitserve", "--engine", "mock", "--prefill", "1", "--decode",
-                             str(args.workers), env=env)
+                             str(args.workers), "--nats-url", nats.url, env=env)
             try:
                 import urllib.request
 
                 assert sp.http_url is not None, "splitserve up printed no front door URL"
                 with urllib.request.urlopen(sp.http_url + "/v1/models", timeout=10) as r:
                     model = json.loads(r.read())["data"][0]["id"]
-                return asyncio.run(measure(target, [sp.http_url], model, args))
+                before = _msgs_by_service(nats.connections())
+                res = asyncio.run(measure(target, [sp.http_url], model, args))
+                after = _msgs_by_service(nats.connections())
+                n = 20 + args.ttft_requests + args.requests * len(args.concurrency)
+                res.nats_msgs_per_request = {k: round((after.get(k, 0) - before.get(k, 0)) / n, 2)
+                                             for k in sorted(after)}
+                return res
             finally:
                 sp.stop()
+                nats.stop()
         raise ValueError(f"unknown target {target!r}")
     finally:
         for p in procs:
             p.stop()
+
+
+def _msgs_by_service(conns: list[dict[str, Any]]) -> dict[str, int]:
+    """NATS messages in + out per service kind (a connection's name is ``role:worker-id``)."""
+    out: dict[str, int] = {}
+    for c in conns:
+        role = str(c.get("name") or "other").split(":")[0]
+        out[role] = out.get(role, 0) + int(c.get("in_msgs") or 0) + int(c.get("out_msgs") or 0)
+    return out
 
 
 def report(results: list[Result], args: argparse.Namespace) -> None:
@@ -339,6 +360,11 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     if base is not None:
         print(f"(ratios: req/s over direct's in the same run; {args.requests} requests per point, "
               f"{args.prompt_chars}-character prompts, {args.max_tokens} tokens)")
+    for r in results:
+        if r.nats_msgs_per_request:
+            total = sum(r.nats_msgs_per_request.values())
+            parts = ", ".join(f"{k} {v:g}" for k, v in r.nats_msgs_per_request.items())
+            print(f"{r.target}: NATS messages per request (in + out, by service): {parts}; total {total:.1f}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -243,9 +243,6 @@ class PrefillService(Service):
             running=len(running), waiting=len(self.queue),
             running_tokens=sum(len(j.context_token_ids()) for j in running),
             waiting_tokens=sum(len(j.decode.context_token_ids()) for j, _ in self.queue),
-            free_blocks=self.pool.num_free if hasattr(self, "pool") else 0,
-            total_blocks=self.pool.num_blocks if hasattr(self, "pool") else 0,
-            used_blocks=self.pool.num_blocks - self.pool.num_free if hasattr(self, "pool") else 0,
             cached_blocks=sum(self.store.stats().blocks.values()) if self.store is not None else 0)
 
     def active_requests(self) -> list[str]:

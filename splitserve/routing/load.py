@@ -27,13 +27,12 @@ def decoder_load(*, decoding: int, prefilling: int, waiting: int, prefill_tokens
         step_ms=None if step_ms is None else round(step_ms, 2))
 
 
-def prefiller_load(*, running: int, waiting: int, running_tokens: int, waiting_tokens: int, free_blocks: int,
-                   total_blocks: int, used_blocks: int, cached_blocks: int = 0,
-                   prefill_tokens_per_s: float | None = None) -> WorkerLoad:
+def prefiller_load(*, running: int, waiting: int, running_tokens: int, waiting_tokens: int,
+                   cached_blocks: int = 0, prefill_tokens_per_s: float | None = None) -> WorkerLoad:
     """A prefiller's load: the jobs it is prefilling now count as running, and their tokens as queued prefill
-    work until they are done (a new job waits for them too), with the waiting jobs' tokens. Its KV pool (the
-    blocks a prefill fills before they move) is reported as a decoder's is: the policy's overflow check reads it."""
+    work until they are done (a new job waits for them too), with the waiting jobs' tokens. No KV pool figures:
+    a prefiller's pool only stages a prompt's KV on its way out (the policy's overflow check is a decoder's)."""
     return WorkerLoad.model_construct(
         active_seqs=running, queued_requests=waiting, queued_prefill_tokens=running_tokens + waiting_tokens,
-        free_blocks=free_blocks, total_blocks=total_blocks, reserved_blocks=0, used_blocks=used_blocks,
-        cached_blocks=cached_blocks, prefill_tokens_per_s=prefill_tokens_per_s, max_seqs=None, step_ms=None)
+        free_blocks=0, total_blocks=0, reserved_blocks=0, used_blocks=0, cached_blocks=cached_blocks,
+        prefill_tokens_per_s=prefill_tokens_per_s, max_seqs=None, step_ms=None)

@@ -294,8 +294,6 @@ class PrefillWorker(_Worker):
         """Its heartbeat's load, by the live prefiller's rule (``splitserve.routing.load``)."""
         return prefiller_load(running=len(self.batch), waiting=len(self.q),
                               running_tokens=sum(s.todo for s in self.batch), waiting_tokens=self.queued_tokens,
-                              free_blocks=max(0, self.cache.free), total_blocks=self.cache.total,
-                              used_blocks=self.cache.used,
                               prefill_tokens_per_s=round(self.rate, 1))
 
     def active(self) -> list[Seq]:

@@ -15,10 +15,10 @@ def test_a_decoder_counts_its_own_prefills_as_running_and_their_work_as_queued()
 
 
 def test_a_prefiller_counts_the_batch_it_runs_as_queued_work_until_done() -> None:
-    ld = prefiller_load(running=2, waiting=3, running_tokens=900, waiting_tokens=1500, free_blocks=5,
-                        total_blocks=50, used_blocks=45, prefill_tokens_per_s=2000.0)
+    ld = prefiller_load(running=2, waiting=3, running_tokens=900, waiting_tokens=1500, prefill_tokens_per_s=2000.0)
     assert (ld.active_seqs, ld.queued_requests, ld.queued_prefill_tokens) == (2, 3, 2400)
     assert ld.max_seqs is None and ld.prefill_tokens_per_s == 2000.0
+    assert ld.total_blocks == 0  # its pool only stages a prompt's KV on the way out: not a cache to fill
 
 
 def test_the_live_workers_and_the_simulator_report_by_these_rules() -> None:
