@@ -52,7 +52,8 @@ run: setup
 # (pytest's exit code 5, "no tests collected", is fine: PYTEST_ARGS may select one tier only.)
 test: setup sysdeps
 	$(VENV)/bin/pytest -q -rs -m "not slow" -n $(TEST_FAST_WORKERS) $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(VENV)/bin/pytest -q -rs -m slow --durations=10 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(VENV)/bin/pytest -q -rs -m slow --durations=10 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		$(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-fast: setup sysdeps
 	$(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -54,26 +54,30 @@ def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
     cluster.stop()
 
 
-# The heaviest test files (seconds of wall time in a CI run, summed per file), run first: the slow tier's files
-# go to the xdist workers in collection order, and alphabetical order put the vLLM and queue-service files last,
-# so the run ended on one or two long files while the other workers sat idle.
-HEAVY_FIRST = (
-    "tests/sched/test_queue_service.py",
-    "tests/e2e/test_wheel.py",
-    "tests/integration/test_migration.py",
-    "tests/vllm/test_vllm_stack.py",
-    "tests/vllm/test_vllm_engine.py",
-    "tests/engines/test_hf_real.py",
-    "tests/integration/test_rolling_restart.py",
-    "tests/deploy/test_k8s_local.py",
-    "tests/integration/test_nats_cluster.py",
-    "tests/frontend/test_frontdoor_restart.py",
-    "tests/sched/test_routers.py",
-    "tests/e2e/test_interference.py",
-    "tests/integration/test_restart_fresh_clients.py",
-    "tests/e2e/test_ecosystem_stack.py",
-    "tests/e2e/test_stack.py",
-    "tests/integration/test_chaos.py",
+# The heaviest test files, run first: the slow tier's files go to the xdist workers in collection order (make test
+# passes --no-loadscope-reorder: xdist otherwise sorts files by their number of tests, which started the run with
+# many short fuzz cases and ended it on the long vLLM and chaos files while the other workers sat idle).
+HEAVY_FIRST = (  # longest first (wall seconds of each file in a CI run of the slow tier on 3 workers, 2 cores)
+    "tests/vllm/test_vllm_stack.py",  # 156
+    "tests/e2e/test_wheel.py",  # 150
+    "tests/integration/test_migration.py",  # 147
+    "tests/integration/test_restart_fresh_clients.py",  # 143
+    "tests/vllm/test_vllm_engine.py",  # 133
+    "tests/sched/test_queue_service.py",  # 127
+    "tests/integration/test_nats_cluster.py",  # 124
+    "tests/e2e/test_stack.py",  # 119
+    "tests/integration/test_rolling_restart.py",  # 92
+    "tests/engines/test_hf_real.py",  # 91
+    "tests/integration/test_chaos.py",  # 84
+    "tests/e2e/test_interference.py",  # 83
+    "tests/security/test_fuzz_attacker.py",  # 82
+    "tests/integration/test_soak.py",  # 80
+    "tests/deploy/test_k8s_local.py",  # 78
+    "tests/e2e/test_ecosystem_stack.py",  # 63
+    "tests/frontend/test_frontdoor_restart.py",  # 60
+    "tests/sched/test_routers.py",  # 58
+    "tests/tracing/test_e2e_trace.py",  # 54
+    "tests/security/test_cache_side_channel.py",  # 53
 )
 
 

@@ -28,10 +28,11 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Resp
 from fastapi.staticfiles import StaticFiles
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from starlette.exceptions import HTTPException
 
 from splitserve import errors
+from splitserve.proto.admin import MAX_EXPLAIN_STRATEGIES
 from splitserve.proto.subjects import check_token
 from splitserve.services.frontend.app import AuthThrottle, bearer_key
 from splitserve.services.frontend.console_data import ConsoleData
@@ -118,11 +119,24 @@ class ConsoleAuth:
 
 
 class ExplainBody(BaseModel):
+    """The explorer's form. Bounded as the router's RouteExplainRequest is: a body that passed here but failed
+    there was a 500 (found by the OpenAPI fuzz: too many strategies, an unpaired surrogate in a string)."""
+
     prompt: str = Field(min_length=1, max_length=2_000_000)
     chat: bool = False
     session_id: str | None = Field(default=None, max_length=256)
     tenant: str = "default"
-    strategies: list[str] | None = None
+    strategies: list[str] | None = Field(default=None, max_length=MAX_EXPLAIN_STRATEGIES)
+
+    @model_validator(mode="after")
+    def _utf8(self) -> ExplainBody:
+        # JSON's \ud800 escapes decode to strings no UTF-8 encoder (msgpack, the tokenizer) accepts later
+        for s in (self.prompt, self.session_id, self.tenant, *(self.strategies or ())):
+            try:
+                (s or "").encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a string of the body has an unpaired UTF-16 surrogate") from None
+        return self
 
 
 def _not_found(message: str) -> JSONResponse:

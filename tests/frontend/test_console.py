@@ -213,6 +213,12 @@ async def test_clear_answers_when_something_is_missing(http: httpx2.AsyncClient)
     r = await http.post("/console/api/explain", headers=adm, json={"prompt": "x", "tenant": "a.b"})
     assert r.status_code == 400 and "tenant" in r.json()["error"]["message"]
     assert (await http.post("/console/api/explain", headers=adm, json={"prompt": ""})).status_code == 400
+    # Bodies the router's RouteExplainRequest would refuse are refused here, not a 500 (the OpenAPI fuzz found them)
+    for body in (b'{"prompt": "x\\ud800"}', b'{"prompt": "x", "strategies": ["\\udfff"]}',
+                 json.dumps({"prompt": "x", "strategies": ["kvaware"] * 17}).encode()):
+        r = await http.post("/console/api/explain", headers={**adm, "Content-Type": "application/json"},
+                            content=body)
+        assert r.status_code == 400, (body, r.status_code, r.text)
 
 
 async def test_a_cluster_without_streams_yet_says_so(fresh_nats: NatsServer) -> None:
