@@ -37,7 +37,7 @@ from splitserve.proto import (
     Subjects,
     WorkerLoad,
 )
-from splitserve.routing import WorkerView
+from splitserve.routing import Decision, RoutingRequest, WorkerView
 from splitserve.routing.book import RECENT_ENDS_KEPT, Flight, RequestBook
 from splitserve.routing.live import live_disagg, view_from_load
 from splitserve.routing.router import Router
@@ -329,6 +329,15 @@ class RouterCore(Service):
         events): from the tenant the router trusts (``req.tenant``, the one its subject is authorised for) and
         the request's own optional salt, never from the request alone (``TenantsConfig.cache_salt``)."""
         return self.tenants.cache_salt(req.tenant, req.cache_salt)
+
+    def _decide(self, req: GenerateRequest, token_ids: list[int], salt: str, now: float) -> Decision:
+        """The policy's decision for ``req`` over ``token_ids`` (its prompt, or prompt + tokens so far when it
+        moves) among the workers live now; raises NoWorkers."""
+        views = [self._view(hb) for hb in self.registry.live("decode", now) + self.registry.live("prefill", now)]
+        rreq = RoutingRequest(request_id=req.key, tenant=req.tenant, token_ids=token_ids,
+                              session_key=req.session_id, force_route=None if req.route == "auto" else req.route,
+                              cache_salt=salt)
+        return self.policy.decide(rreq, views, now)
 
     @staticmethod
     def _view(hb: Heartbeat) -> WorkerView:

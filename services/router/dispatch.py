@@ -29,7 +29,7 @@ from splitserve.proto import (
     Subjects,
     now_ms,
 )
-from splitserve.routing import NoWorkers, RoutingRequest
+from splitserve.routing import NoWorkers
 from splitserve.routing.live import dispatch_batch
 from splitserve.runtime.bus import identity_refusal
 from splitserve.services.router.core import REGISTRY_WARMUP_S, Inflight, RouterCore
@@ -270,13 +270,9 @@ class Dispatch(RouterCore):
         caller's request; otherwise a failure goes to the request's stream subject."""
         log = self.log.bind(request_id=req.request_id, tenant=req.tenant)
         now = self.clock()
-        views = [self._view(hb) for hb in self.registry.live("decode", now) + self.registry.live("prefill", now)]
         salt = self._cache_salt(req)
-        rreq = RoutingRequest(request_id=req.key, tenant=req.tenant, token_ids=ids,
-                              session_key=req.session_id, force_route=None if req.route == "auto" else req.route,
-                              cache_salt=salt)
         try:
-            decision = self.policy.decide(rreq, views, now)
+            decision = self._decide(req, ids, salt, now)
         except NoWorkers as exc:
             if msg is not None:
                 await self._reject(req, msg, ErrorCode.NO_WORKERS, str(exc))

@@ -30,7 +30,7 @@ from splitserve.proto import (
     Usage,
     now_ms,
 )
-from splitserve.routing import NoWorkers, RoutingRequest
+from splitserve.routing import NoWorkers
 from splitserve.routing.book import Flight, LossCheck, Move
 from splitserve.runtime.bus import PayloadTooLarge
 from splitserve.services.router.core import Inflight, RouterCore
@@ -185,13 +185,9 @@ class Migration(RouterCore):
         req, old = inf.request, inf.job
         context = [*old.prompt_token_ids, *inf.tokens]
         now = self.clock()
-        views = [self._view(hb) for hb in self.registry.live("decode", now) + self.registry.live("prefill", now)]
         salt = self._cache_salt(req)
-        rreq = RoutingRequest(request_id=req.key, tenant=req.tenant, token_ids=context,
-                              session_key=req.session_id, force_route=None if req.route == "auto" else req.route,
-                              cache_salt=salt)
         try:
-            decision = self.policy.decide(rreq, views, now)
+            decision = self._decide(req, context, salt, now)
         except NoWorkers as exc:
             await self._fail(inf, ErrorCode.WORKER_DIED, f"{reason} while serving this request; {exc}", failed)
             return
