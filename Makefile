@@ -13,7 +13,7 @@ TEST_WORKERS ?= 3
 TEST_FAST_WORKERS ?= 2
 ARGS ?=
 
-.PHONY: setup sysdeps run test test-fast lint bench bench-peers clean lock
+.PHONY: setup sysdeps run test test-fast lint bench bench-peers clean lock models
 
 setup: $(STAMP)
 
@@ -64,6 +64,13 @@ lint: setup
 
 bench: setup
 	$(PY) -m bench.e2e
+
+# A second real model for multi-model stacks (tests, demos), derived from the bundled one, nothing downloaded: 26 of
+# its 30 decoder layers (without 14-17: it still answers sensibly, and differently) as an HF folder (`splitserve
+# models derive`; skipped when already there). Serve both with a config's `models:` list, e.g.
+# `- {name: smollm2-26l, model: .models/smollm2-26l, prefill: 0, decode: 1}`.
+models: setup
+	$(VENV)/bin/splitserve models derive .models/smollm2-26l --keep-layers 26 --drop-from 14
 
 # splitserve beside vllm-router and sglang-router on the same zero-cost workers, one run (bench/peers.py); the
 # peers go into a venv of their own (pinned), never into .venv. ARGS: e.g. ARGS="--requests 4000 --json".

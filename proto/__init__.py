@@ -18,7 +18,15 @@ from splitserve.proto.codec import (
 )
 from splitserve.proto.messages import *  # noqa: F403
 from splitserve.proto.messages import __all__ as _messages_all
-from splitserve.proto.subjects import Subjects, reply_subjects, request_key, subject_identity
+from splitserve.proto.subjects import (
+    SINGLE_POOL,
+    Subjects,
+    model_pool,
+    model_pools,
+    reply_subjects,
+    request_key,
+    subject_identity,
+)
 
 __all__ = [
     "HEADER_KIND",
@@ -26,6 +34,9 @@ __all__ = [
     "ProtocolError",
     "Subjects",
     "reply_subjects",
+    "SINGLE_POOL",
+    "model_pool",
+    "model_pools",
     "request_key",
     "subject_identity",
     "decode",

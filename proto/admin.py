@@ -33,6 +33,7 @@ class RouteExplainRequest(Message):
     session_id: str | None = Field(default=None, max_length=256)
     # The request's own cache salt (as GenerateRequest's): the router salts the lookup the way it would route.
     cache_salt: str | None = Field(default=None, max_length=256)
+    model: str | None = Field(default=None, max_length=256)  # a served model (None: the router's default)
     # None: every registered strategy; the router's own (live) strategy is always marked in the reply.
     strategies: list[str] | None = Field(default=None, max_length=MAX_EXPLAIN_STRATEGIES)
 

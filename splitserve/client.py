@@ -401,7 +401,9 @@ class Client:
         ``temperature``, ``top_p``, ``seed``, ``stop``, ``ignore_eos`` (always generate ``max_tokens``: load
         tests), ``min_tokens``, ``logprobs`` (k: each token's log-probability and the k most likely),
         ``session_id``, ``request_id``, ``timeout`` (a
-        deadline in seconds), ``priority``, ``route``, ``cache_salt`` (splits the tenant's prefix cache further:
+        deadline in seconds), ``priority``, ``route``, ``model`` (a served model's name; none: the routers'
+        default; a name not served raises ``errors.ModelNotFound``, one the tenant may not use
+        ``errors.ModelNotAllowed``), ``cache_salt`` (splits the tenant's prefix cache further:
         requests reuse each other's cached prefixes only with the same salt; it never reaches another tenant's),
         and ``tenant`` (overrides the client's own for this request: a gateway serving many tenants over one
         connection)."""

@@ -77,6 +77,18 @@ class Forbidden(SplitserveError):
     code = ErrorCode.FORBIDDEN
 
 
+class ModelNotFound(SplitserveError):
+    """No model of that name is served (the message lists the served ones). Not retryable."""
+
+    code = ErrorCode.MODEL_NOT_FOUND
+
+
+class ModelNotAllowed(SplitserveError):
+    """The tenant may not use that model (the tenants file's ``models:`` for it). Not retryable."""
+
+    code = ErrorCode.MODEL_NOT_ALLOWED
+
+
 _BY_CODE: dict[ErrorCode, type[SplitserveError]] = {
     ErrorCode.BAD_REQUEST: BadRequest,
     ErrorCode.UNSUPPORTED_VERSION: BadRequest,
@@ -89,6 +101,8 @@ _BY_CODE: dict[ErrorCode, type[SplitserveError]] = {
     ErrorCode.CANCELLED: Cancelled,
     ErrorCode.QUOTA_EXCEEDED: QuotaExceeded,
     ErrorCode.FORBIDDEN: Forbidden,
+    ErrorCode.MODEL_NOT_FOUND: ModelNotFound,
+    ErrorCode.MODEL_NOT_ALLOWED: ModelNotAllowed,
 }
 
 

@@ -164,12 +164,15 @@ def dump_yaml(docs: Sequence[dict[str, Any]], header: str = "") -> str:
 # ---------------------------------------------------------------------------------------------- autoscale
 
 
-def queue_consumers(tenants: TenantsConfig) -> list[tuple[str, int, str]]:
-    """(tenant, class, durable consumer name) of every lane of the request queue, in a stable order."""
+def queue_consumers(tenants: TenantsConfig, models: list[str] | None = None) -> list[tuple[str, int, str]]:
+    """(tenant, class, durable consumer name) of every lane of the request queue (a lane per tenant, served
+    model and class; ``models``: the routers' served model names, default the bundled model), in a stable
+    order."""
     # The contract's naming, which the routers' work queue uses too.
-    from splitserve.proto import Subjects
+    from splitserve.proto import Subjects, model_pools
 
-    return [(t, k, Subjects.queue_consumer(t, k)) for t in sorted(tenants.tenants)
+    pools = model_pools(models) if models else [Subjects.SINGLE_POOL]
+    return [(t, k, Subjects.queue_consumer(t, k, p)) for t in sorted(tenants.tenants) for p in pools
             for k in range(Subjects.QUEUE_CLASSES)]
 
 
@@ -242,11 +245,12 @@ class AutoscalePolicy:
         return f'namespace="{self.namespace}"' if self.prometheus_matcher is None else self.prometheus_matcher
 
 
-def _lane_triggers(tenants: TenantsConfig, policy: AutoscalePolicy, lag: int) -> list[dict[str, Any]]:
+def _lane_triggers(tenants: TenantsConfig, policy: AutoscalePolicy, lag: int,
+                   models: list[str] | None = None) -> list[dict[str, Any]]:
     return [{"type": "nats-jetstream", "name": f"queue-{consumer}",
              "metadata": {"natsServerMonitoringEndpoint": policy.monitor, "account": "$G",
                           "stream": Subjects.QUEUE_STREAM, "consumer": consumer, "lagThreshold": str(lag)}}
-            for _, _, consumer in queue_consumers(tenants)]
+            for _, _, consumer in queue_consumers(tenants, models)]
 
 
 def _prometheus(name: str, policy: AutoscalePolicy, query: str, threshold: str,
@@ -282,13 +286,15 @@ def _scaled_object(pool: str, lo: int, hi: int, policy: AutoscalePolicy,
     }
 
 
-def scaled_objects(tenants: TenantsConfig, policy: AutoscalePolicy | None = None) -> list[dict[str, Any]]:
-    """The ScaledObjects of the decode and prefill StatefulSets (KEDA takes the largest of the triggers)."""
+def scaled_objects(tenants: TenantsConfig, policy: AutoscalePolicy | None = None,
+                   models: list[str] | None = None) -> list[dict[str, Any]]:
+    """The ScaledObjects of the decode and prefill StatefulSets (KEDA takes the largest of the triggers);
+    ``models``: the served model names whose lanes count (default: the bundled model)."""
     policy = policy or AutoscalePolicy()
     policy.check()
     m = policy.matcher
     decode = [
-        *_lane_triggers(tenants, policy, policy.inflight_per_decoder),
+        *_lane_triggers(tenants, policy, policy.inflight_per_decoder, models),
         # The lanes are per tenant and the HPA takes the largest trigger, not the sum: this one adds up
         # every tenant's running and decoder-queued sequences.
         _prometheus("decode-concurrency", policy, decode_concurrency_query(m), str(policy.inflight_per_decoder)),
@@ -297,7 +303,8 @@ def scaled_objects(tenants: TenantsConfig, policy: AutoscalePolicy | None = None
     ]
     prefill = [
         # Queue growth grows the prefill pool in the P:D ratio, ahead of its own backlog...
-        *_lane_triggers(tenants, policy, max(1, round(policy.inflight_per_decoder * policy.decoders_per_prefiller))),
+        *_lane_triggers(tenants, policy, max(1, round(policy.inflight_per_decoder * policy.decoders_per_prefiller)),
+                        models),
         # ...and prompt-heavy traffic (long prompts, few cache hits) shows as tokens waiting at prefillers.
         _prometheus("prefill-backlog", policy, prefill_backlog_query(m), str(policy.prefill_backlog_tokens)),
     ]
@@ -317,9 +324,11 @@ AUTOSCALE_HEADER = """\
 
 
 async def ensure_lanes(nats_url: str, tenants: TenantsConfig, *, ack_wait_s: float, wait_s: float = 120.0,
-                       echo: Callable[[str], None] = print) -> list[str]:
-    """Create (or confirm) the request queue's streams and every tenant's consumers, with the routers' own
-    code and settings; retries until ``wait_s`` while NATS or its JetStream cluster is still coming up."""
+                       echo: Callable[[str], None] = print, models: list[str] | None = None) -> list[str]:
+    """Create (or confirm) the request queue's streams and every tenant's consumers (per served model:
+    ``models``, default the bundled model), with the routers' own code and settings; retries until ``wait_s``
+    while NATS or its JetStream cluster is still coming up."""
+    from splitserve.proto import model_pools
     from splitserve.runtime.bus import Bus, NotAuthorized
     from splitserve.runtime.workqueue import NUM_CLASSES, WorkQueue
 
@@ -338,9 +347,10 @@ async def ensure_lanes(nats_url: str, tenants: TenantsConfig, *, ack_wait_s: flo
                 wq = WorkQueue(bus, ack_wait_s=ack_wait_s)
                 await wq.setup()
                 for tenant in sorted(tenants.tenants):
-                    for klass in range(NUM_CLASSES):
-                        await wq.lane(tenant, klass)
-                names = [name for _, _, name in queue_consumers(tenants)]
+                    for pool in model_pools(models) if models else [Subjects.SINGLE_POOL]:
+                        for klass in range(NUM_CLASSES):
+                            await wq.lane(tenant, klass, pool)
+                names = [name for _, _, name in queue_consumers(tenants, models)]
                 for name in names:  # what the autoscaler's triggers name must now exist on the server
                     await wq.js.consumer_info(Subjects.QUEUE_STREAM, name)
                 return names
@@ -412,6 +422,9 @@ def autoscale_cmd(
                                        help="target mean KV occupancy of the decoders (0-1)"),
     prefill_backlog_tokens: int = typer.Option(AutoscalePolicy.prefill_backlog_tokens, "--prefill-backlog-tokens",
                                                help="queued prompt tokens one prefiller should carry"),
+    model_name: list[str] = typer.Option([], "--model-name", help="each served model's name, as the routers name "
+                                         "it, when they serve several (repeatable; one model: not needed): their "
+                                         "queue lanes count"),
 ) -> None:
     """Print KEDA ScaledObjects for the prefill and decode pools."""
     cfg = _tenants(tenants)
@@ -422,7 +435,7 @@ def autoscale_cmd(
                              decoders_per_prefiller=decoders_per_prefiller, kv_occupancy=kv_occupancy,
                              prefill_backlog_tokens=prefill_backlog_tokens)
     try:
-        docs = scaled_objects(cfg, policy)
+        docs = scaled_objects(cfg, policy, model_name or None)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     sys.stdout.write(dump_yaml(docs, header=AUTOSCALE_HEADER.format(tenants=tenants)))
@@ -434,13 +447,15 @@ def lanes_cmd(
     nats_url: str = typer.Option("nats://127.0.0.1:4222", "--nats-url", envvar="SPLITSERVE_NATS_URL"),
     queue_ack_wait_s: float = typer.Option(30.0, "--queue-ack-wait-s", help="the routers' --queue-ack-wait-s"),
     wait_s: float = typer.Option(120.0, "--wait-s", help="keep retrying this long while NATS comes up"),
+    model_name: list[str] = typer.Option([], "--model-name", help="each served model's name, as the routers name "
+                                         "it, when they serve several (repeatable; one model: not needed)"),
 ) -> None:
     """Create the request queue's consumers of every tenant (run before the routers; idempotent). Credentials:
     $SPLITSERVE_NATS_USER / $SPLITSERVE_NATS_PASSWORD, as the services take them."""
     cfg = _tenants(tenants)
     try:
         names = asyncio.run(ensure_lanes(nats_url, cfg, ack_wait_s=queue_ack_wait_s, wait_s=wait_s,
-                                         echo=lambda s: typer.echo(s, err=True)))
+                                         echo=lambda s: typer.echo(s, err=True), models=model_name or None))
     except Exception as exc:
         typer.echo(f"lanes: FAILED: {exc}", err=True)
         raise typer.Exit(1) from None

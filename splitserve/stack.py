@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
@@ -39,6 +39,50 @@ from splitserve.runtime.jetstream import CLUSTER_REPLICAS, ENV_REPLICAS
 from splitserve.tenancy import consolekey, natsauth
 from splitserve.tenancy.config import load_tenants
 from splitserve.tenancy.natsauth import StackAuth
+
+MODEL_NAME_MAX = 256  # a served model's name: as long as a request's ``model`` may be (proto.GenerateRequest)
+BUNDLED_MODEL = "bundled"  # the routers' PATH for the bundled SmolLM2 (``--model NAME=bundled``)
+
+
+@dataclass(frozen=True)
+class ModelPool:
+    """One served model's workers. ``name`` is what clients ask for: the workers' ``--served-model-name`` (their
+    heartbeats' model) and the routers' ``--model NAME=PATH``; ``model`` is the weights' path (a folder, a .gguf,
+    a hub id in the local cache; None: the bundled SmolLM2)."""
+
+    name: str
+    model: str | None = None
+    prefill: int = 1
+    decode: int = 1
+
+    def check(self) -> None:
+        """ValueError naming what is wrong with this pool."""
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError("a model pool needs a non-empty name")
+        if len(self.name) > MODEL_NAME_MAX:
+            raise ValueError(f"model name {self.name[:40]!r}... is longer than {MODEL_NAME_MAX} characters")
+        if self.name != self.name.strip():  # the routers strip what they read: the workers' name would differ
+            raise ValueError(f"model name {self.name!r} starts or ends with white space")
+        if "=" in self.name:  # the routers read --model NAME=PATH up to the first '='
+            raise ValueError(f"model name {self.name!r} holds '=' (names may not)")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
+            raise ValueError(f"model {self.name!r}: model must be a path (or left out: the bundled model)")
+        if isinstance(self.prefill, bool) or not isinstance(self.prefill, int) or self.prefill < 0:
+            raise ValueError(f"model {self.name!r}: prefill must be a whole number >= 0, not {self.prefill!r}")
+        if isinstance(self.decode, bool) or not isinstance(self.decode, int) or self.decode < 1:
+            raise ValueError(f"model {self.name!r}: decode must be a whole number >= 1, not {self.decode!r}")
+
+
+def check_pools(pools: list[ModelPool]) -> None:
+    """ValueError unless every pool is valid and no two share a name."""
+    if not pools:
+        raise ValueError("models: list at least one model")
+    seen: set[str] = set()
+    for pool in pools:
+        pool.check()
+        if pool.name in seen:
+            raise ValueError(f"model name {pool.name!r} is listed twice (names must be unique)")
+        seen.add(pool.name)
 
 
 @dataclass
@@ -82,6 +126,32 @@ class StackConfig:
     kv_backend: str = "UCX"  # --engine vllm: NIXL backend (UCX | LIBFABRIC)
     # Tenants file (splitserve.tenancy.config): NATS users and permissions per tenant and per service.
     tenants_file: Path | None = None
+    # Several served models, one pool of workers each (the first is the routers' default model). Empty: one pool
+    # of ``prefill`` + ``decode`` workers serving ``model`` under the engine's own name (no --served-model-name).
+    # Given: ``model`` is unused, and ``prefill``/``decode`` become the pools' totals (the cores are shared
+    # between all pools' workers of a role, as within one pool).
+    models: list[ModelPool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            return
+        check_pools(self.models)
+        if self.colocated:  # no prefill pool for any model
+            self.models = [replace(p, prefill=0) for p in self.models]
+        self.prefill = sum(p.prefill for p in self.models)
+        self.decode = sum(p.decode for p in self.models)
+
+    def worker_pools(self) -> list[ModelPool]:
+        """Every pool of workers: the configured models, else the one pool of the flags (named "": it passes no
+        --served-model-name)."""
+        return list(self.models) or [ModelPool("", self.model, self.prefill, self.decode)]
+
+    def router_models(self) -> list[str]:
+        """The routers' --model values: ``NAME=PATH`` per pool in order (PATH ``bundled`` for the bundled
+        model); without pools the --model path as before, if any."""
+        if not self.models:
+            return [self.model] if self.model else []
+        return [f"{p.name}={p.model or BUNDLED_MODEL}" for p in self.models]
 
 
 @dataclass
@@ -99,6 +169,7 @@ class Child:
     crashes: int = 0  # crashes in a row (exits other than clean ones, each within a minute of its start)
     pass_fds: tuple[int, ...] = ()  # descriptors it inherits (the front doors: the API's listening socket)
     pump: threading.Thread | None = None  # copies its output into its log (log_pump)
+    model: str | None = None  # a worker of a model pool: the pool's served name (StackConfig.models)
 
     def drain_log(self, timeout: float = 2.0) -> None:
         """Wait until everything the (exited) process wrote is in its log file."""
@@ -141,16 +212,17 @@ class Stack:
         py = [sys.executable, "-m"]
         common = ["--nats-url", self.nats_url, "--log-level", c.log_level]
         eng = ["--engine", c.engine, "--dtype", c.dtype, "--transport", c.transport]
-        if c.model:
-            eng += ["--model", c.model]
         if c.engine == "vllm":
             eng += ["--kv-connector", c.kv_connector, "--kv-backend", c.kv_backend]
         tenants = ["--tenants", str(c.tenants_file)] if c.tenants_file else []
         pools = self.pools
-        base = {"prefill": list(eng), "decode": list(eng), "long": list(eng)}
         counts = {"prefill": c.prefill, "decode": c.decode, "long": c.long_decode}
 
-        def worker_args(role: str, i: int) -> list[str]:
+        def model_args(pool: ModelPool) -> list[str]:
+            return [*(["--model", pool.model] if pool.model else []),
+                    *(["--served-model-name", pool.name] if pool.name else [])]
+
+        def worker_args(role: str, i: int, pool: ModelPool) -> list[str]:
             n, cores = counts[role], pools.get(role)
             share = 1
             if cores and len(cores) >= n:
@@ -161,7 +233,7 @@ class Stack:
                 share = n  # more workers than cores: they share them, one thread each at most
             threads = c.threads or (max(1, len(cores) // share) if cores else
                                     max(1, (os.cpu_count() or 1) // max(1, c.prefill + c.decode)))
-            args = [*base[role], "--threads", str(threads), "--cache-tokens", str(c.cache_tokens),
+            args = [*eng, *model_args(pool), "--threads", str(threads), "--cache-tokens", str(c.cache_tokens),
                     "--l1-tokens", str(c.l1_tokens)]
             return args + (["--cpus", ",".join(map(str, cores))] if cores else [])
 
@@ -172,27 +244,31 @@ class Stack:
                                                     "--strategy",
                                                     c.strategy, "--disagg-threshold",
                                                     str(10**9 if c.colocated else c.disagg_threshold), *router_extra,
-                                                    *(["--model", c.model] if c.model else []), *tenants,
+                                                    *(a for m in c.router_models() for a in ("--model", m)),
+                                                    *tenants,
                                                     *common],
                      self.logs / f"router-{i}.log") for i in range(max(1, c.routers))]
         out += [Child("cache-index-0", "cache_index", py + ["splitserve.services.cache_index", "--worker-id",
                                                             "cache-index-0",
                                                            *common], self.logs / "cache-index-0.log")]
-        for i in range(c.prefill):
-            name = f"prefill-{i}"
-            out.append(Child(name, "prefill", py + ["splitserve.services.prefill", "--worker-id", name,
-                                                    *worker_args("prefill", i), *common],
-                             self.logs / f"{name}.log"))
-        for i in range(c.decode):
-            name = f"decode-{i}"
-            out.append(Child(name, "decode", py + ["splitserve.services.decode", "--worker-id", name,
-                                                   *worker_args("decode", i), *common],
-                             self.logs / f"{name}.log"))
+        # Worker ids are numbered across the model pools (prefill-0, prefill-1, ... in the pools' order): one
+        # pool's are those of a stack without pools, and no model name has to fit a subject token.
+        model_pools = c.worker_pools()
+        for role, module in (("prefill", "splitserve.services.prefill"), ("decode", "splitserve.services.decode")):
+            i = 0
+            for pool in model_pools:
+                for _ in range(pool.prefill if role == "prefill" else pool.decode):
+                    name = f"{role}-{i}"
+                    out.append(Child(name, role, py + [module, "--worker-id", name, *worker_args(role, i, pool),
+                                                       *common],
+                                     self.logs / f"{name}.log", model=pool.name or None))
+                    i += 1
+        # long-context decoders serve the default (first) model
         for i in range(c.long_decode):
             name = f"decode-long-{i}"
             out.append(Child(name, "decode", py + ["splitserve.services.decode", "--worker-id", name, "--pool", "long",
-                                                   *worker_args("long", i), *common],
-                             self.logs / f"{name}.log"))
+                                                   *worker_args("long", i, model_pools[0]), *common],
+                             self.logs / f"{name}.log", model=model_pools[0].name or None))
         # The API's socket is bound here, once, and held by this process: every front door accepts from it (one
         # accept queue), so while one drains or restarts the others take every connection, and with all of them
         # down at once connections wait in the queue instead of being refused. A restarted front door comes back
@@ -330,6 +406,9 @@ class Stack:
             except OSError as exc:  # the API's socket (e.g. --host names no interface of this machine)
                 self.echo(f"  {'frontend':<15} FAILED to start: {exc}")
                 return 1
+            for pool in c.models:
+                workers = ", ".join(ch.name for ch in self.children if ch.model == pool.name)
+                self.echo(f"  {'model ' + pool.name:<15} {pool.model or BUNDLED_MODEL}: {workers}")
             sub = await bus.nc.subscribe(Subjects.HEARTBEAT_ALL, cb=self._on_hb)
             t0 = time.monotonic()
             for ch in self.children:

@@ -27,3 +27,6 @@ class RecordingBus:
 
     def spawn(self, coro: Any) -> None:
         coro.close()
+
+    async def respond(self, _: Any, msg: Any, **__: Any) -> None:  # a reply to the caller (Accepted, a refusal)
+        self.published.append(("(reply)", msg))

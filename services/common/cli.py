@@ -9,6 +9,8 @@ NatsUrl = typer.Option("nats://127.0.0.1:4222", envvar="SPLITSERVE_NATS_URL",
 Engine = typer.Option("hf", help="engine backend: hf | mock | vllm")
 Model = typer.Option(None, help="model path (default: the bundled SmolLM2-135M-Instruct)")
 Dtype = typer.Option("float32")
+ServedModelName = typer.Option(None, help="the name this worker serves its model under (its heartbeats' model, "
+                               "which routers match requests' model against; default: the engine's model name)")
 Threads = typer.Option(None, help="torch intra-op threads")
 BlockSize = typer.Option(16, help="KV block size in tokens")
 Transport = typer.Option("nixl", help="KV transport: nixl | tcp")

@@ -21,6 +21,13 @@ class EngineOptions:
     block_size: int = 16
     transport: str = "nixl"
     cpus: tuple[int, ...] | None = None  # pin the process (and torch's threads) to these cores
+    # The name the worker serves its model under (heartbeats' ``model``, which routers match a request's model
+    # against; final messages; traces). None: the engine's own name (``engine.info.name``).
+    served_model_name: str | None = None
+
+    def model_name(self, engine_name: str) -> str:
+        """The served model's name: ``served_model_name`` when set, else the engine's own name."""
+        return self.served_model_name or engine_name
 
     def apply_threads(self) -> None:
         # Pinning is the CPU analogue of separate GPU pools: prefill and decode compute never share a core.

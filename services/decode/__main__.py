@@ -17,6 +17,7 @@ def main(
     worker_id: str = typer.Option("decode-0"),
     engine: str = cli.Engine,
     model: str | None = cli.Model,
+    served_model_name: str | None = cli.ServedModelName,
     dtype: str = cli.Dtype,
     threads: int | None = cli.Threads,
     block_size: int = cli.BlockSize,
@@ -54,7 +55,7 @@ def main(
         raise typer.BadParameter(f"must be one of {', '.join(POOLS)}", param_hint="--pool")
 
     opts = EngineOptions(engine=engine, model=model, dtype=dtype, threads=threads, block_size=block_size,
-                         transport=transport, cpus=parse_cpus(cpus))
+                         transport=transport, cpus=parse_cpus(cpus), served_model_name=served_model_name)
     if engine == "vllm":
         from splitserve.services.common.vllm_worker import VllmOptions
         from splitserve.services.decode.vllm_service import VllmDecodeService

@@ -262,10 +262,16 @@ class DecodeService(Service):
         return [*self.active, *(a.job.key for a in self.pending), *([self.admitting] if self.admitting else []),
                 *(r.key for r in self.reservations.values())]
 
+    @property
+    def model_name(self) -> str:
+        """The name this worker serves its model under (``--served-model-name``, else the engine's): what its
+        heartbeats announce, and what routers match a request's model against."""
+        return self.opts.model_name(self.engine.info.name)
+
     def heartbeat_extra(self) -> dict[str, Any]:
         if not hasattr(self, "engine"):
             return {"engine": self.opts.engine, "transport": self.opts.transport, "pool": self.pool_name}
-        return {"engine": self.opts.engine, "model": self.engine.info.name,
+        return {"engine": self.opts.engine, "model": self.model_name,
                 "max_model_len": self.engine.info.max_model_len, "transport": self.opts.transport,
                 "block_size": self.opts.block_size, "pool": self.pool_name}
 
@@ -360,7 +366,7 @@ class DecodeService(Service):
             request_id=job.request_id, seq=job.start_seq, token_ids=job.resume_token_ids, text=job.resume_text,
             finish_reason=reason,  # type: ignore[arg-type]
             usage=usage, route=job.route, prefill_worker=job.prefill_worker, decode_worker=self.worker_id,
-            decision=job.decision))
+            decision=job.decision, model=self.model_name))
         await self.b.publish(Subjects.finished(job.tenant, job.request_id), RequestFinished(
             request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id,
             status=reason,  # type: ignore[arg-type]
@@ -625,7 +631,7 @@ class DecodeService(Service):
 
     def _gen_ai(self, job: DecodeJob) -> dict[str, Any]:
         p = job.sampling
-        return tracing.gen_ai_request(chat=False, model=self.engine.info.name, max_tokens=p.max_tokens,
+        return tracing.gen_ai_request(chat=False, model=self.model_name, max_tokens=p.max_tokens,
                                       temperature=p.temperature, top_p=p.top_p, seed=p.seed, stop=p.stop,
                                       request_id=job.request_id)
 
@@ -668,7 +674,7 @@ class DecodeService(Service):
             usage=usage, route=job.route, prefill_worker=job.prefill_worker, decode_worker=self.worker_id,
             timings=seq.timings, decision=job.decision,
             logprobs=seq.logprobs if job.sampling.logprobs is not None else None,
-            model=self.engine.info.name,
+            model=self.model_name,
         )
         await self.b.publish(job.stream_subject, final)
         status = "ok" if reason in ("stop", "length") else reason
@@ -687,7 +693,7 @@ class DecodeService(Service):
                           total_ms=seq.timings.total_ms,
                           itl_p50_ms=round(itl[len(itl) // 2], 3) if itl else None,
                           itl_max_ms=round(itl[-1], 3) if itl else None)
-        tracing.gen_ai_response(sp, response_id=job.request_id, model=self.engine.info.name, finish_reason=reason,
+        tracing.gen_ai_response(sp, response_id=job.request_id, model=self.model_name, finish_reason=reason,
                                 input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
                                 cached_tokens=usage.cached_tokens)
         with trace.use_span(sp, end_on_exit=True):  # the log line carries this span's trace and span ids

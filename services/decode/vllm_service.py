@@ -109,7 +109,7 @@ class VllmDecodeService(DecodeService):
         extra: dict[str, Any] = {"engine": "vllm", "transport": f"vllm-{self.vopts.kv_connector}",
                                  "block_size": self.vopts.route_block_size, "pool": self.pool_name}
         if hasattr(self, "engine"):
-            extra.update(model=self.engine.info.name, max_model_len=self.engine.info.max_model_len)
+            extra.update(model=self.model_name, max_model_len=self.engine.info.max_model_len)
         return extra
 
     # --- inputs ---------------------------------------------------------------------------------------

@@ -89,12 +89,20 @@ class Stream(Protocol):
 
 
 class Backend(Protocol):
-    """Optional: ``served_model_name``, the name known to be served (None when it is not known, e.g. no decoder
-    heard yet), the only one a request is refused against with 404; without it, ``model_name`` is."""
+    """What the HTTP layer needs from the cluster.
+
+    ``served_models`` is the set of models known to be served (empty when none is known, e.g. no decoder heard
+    yet): the only names a request is refused against with 404. A backend without it is taken as serving one
+    model: ``served_model_name`` (optional too; else ``model_name``) with ``max_model_len``."""
+
+    @property
+    def served_models(self) -> dict[str, int | None]:
+        """Every served model's name -> its max_model_len (None: not announced), in a stable order (the first
+        is the default of a request that names none); empty while none is known."""
 
     @property
     def model_name(self) -> str | None:
-        """The served model's name (None until known)."""
+        """The (first) served model's name (None until known)."""
 
     @property
     def max_model_len(self) -> int | None: ...
@@ -753,24 +761,42 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None, docs
         request.state.key_id = key_id
         return tenant
 
-    def known_model() -> str | None:
-        """The name known to be served, the only one to 404 against (see Backend)."""
-        return getattr(backend, "served_model_name", backend.model_name)  # type: ignore[no-any-return]
+    def served_models() -> dict[str, int | None]:
+        """The models known to be served, each with its max_model_len (see Backend); empty: none known yet."""
+        models: dict[str, int | None] | None = getattr(backend, "served_models", None)
+        if models is not None:
+            return models
+        name: str | None = getattr(backend, "served_model_name", backend.model_name)  # a one-model backend
+        return {name: backend.max_model_len} if name else {}
 
-    def served_model(requested: str | None) -> str:
-        served = known_model()
-        if requested and served and requested != served:
-            raise oa.model_not_found(requested)
-        # Not known (no decoder heard): the request goes on as asked, and the router (which waits for decoders
-        # within its own bound, then answers a retryable 503) decides; a 404 here could be wrong.
-        return served or requested or backend.model_name or "unknown"
+    def not_found(model: str, served: dict[str, int | None]) -> oa.ApiError:
+        # With one model served the message is OpenAI's own; with several it lists them (as the router does).
+        return oa.model_not_found(model, list(served) if len(served) > 1 else None)
 
-    async def serve(request: Request, args: oa.GenerateArgs, *, tenant: str, model: str) -> Response:
+    def choose_model(requested: str | None) -> tuple[str, str | None, int | None]:
+        """(the name answered with, the name the request travels with, that model's max_model_len) for the
+        body's ``model``. It must be a served one when any is known (else 404 listing them); none named: the
+        only one, or with several the first (``served_models``' order: sorted by name)."""
+        served = served_models()
+        if served:
+            if requested:
+                if requested not in served:
+                    raise not_found(requested, served)
+                return requested, requested, served[requested]
+            first = next(iter(served))
+            return first, first, served[first]
+        # Not known (no decoder heard): the request goes on as asked (none named: the router's default), and the
+        # router (which waits for decoders within its own bound, then answers a retryable 503) decides; a 404
+        # here could be wrong.
+        return requested or backend.model_name or "unknown", requested or None, backend.max_model_len
+
+    async def serve(request: Request, args: oa.GenerateArgs, *, tenant: str, model: str,
+                    route_model: str | None) -> Response:
         rid: str = request.state.request_id
         if rid in inflight:
             raise oa.ApiError(409, f"request id {rid} is already in flight", param=REQUEST_ID_HEADER,
                               code="duplicate_request_id")
-        args = args.served(model=model, session_id=session_id_from(request.headers.get(SESSION_HEADER)))
+        args = args.served(model=route_model, session_id=session_id_from(request.headers.get(SESSION_HEADER)))
         trace.get_current_span().set_attributes({"request_id": rid, "gen_ai.request.model": model,
                                                  "gen_ai.operation.name": "chat" if args.kind == "chat"
                                                  else "text_completion"})
@@ -823,36 +849,40 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None, docs
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request, tenant: str = Depends(tenant_of)) -> Response:
         body = await parse_body(request, oa.ChatCompletionRequest)
-        model = served_model(body.model)
-        args = oa.chat_args(body, default_max_tokens=backend.max_model_len or FALLBACK_MAX_TOKENS)
-        return await serve(request, args, tenant=tenant, model=model)
+        model, route_model, max_len = choose_model(body.model)
+        args = oa.chat_args(body, default_max_tokens=max_len or FALLBACK_MAX_TOKENS)
+        return await serve(request, args, tenant=tenant, model=model, route_model=route_model)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request, tenant: str = Depends(tenant_of)) -> Response:
         body = await parse_body(request, oa.CompletionRequest)
-        model = served_model(body.model)
-        return await serve(request, oa.completion_args(body), tenant=tenant, model=model)
+        model, route_model, _ = choose_model(body.model)
+        return await serve(request, oa.completion_args(body), tenant=tenant, model=model, route_model=route_model)
 
-    def model_card(name: str) -> dict[str, Any]:
+    def model_card(name: str, max_model_len: int | None) -> dict[str, Any]:
         # max_model_len as vLLM's server reports it (clients size prompts by it); null until a decoder announced
         return {"id": name, "object": "model", "created": started, "owned_by": "splitserve", "root": name,
-                "parent": None, "max_model_len": backend.max_model_len}
+                "parent": None, "max_model_len": max_model_len}
 
     @app.get("/v1/models")
     async def models(_: str = Depends(tenant_of)) -> dict[str, Any]:
-        name = backend.model_name
-        return {"object": "list", "data": [model_card(name)] if name else []}
+        served = served_models()
+        if not served and backend.model_name:  # none known to be served: the name the router announces
+            served = {backend.model_name: backend.max_model_len}
+        return {"object": "list", "data": [model_card(name, max_len) for name, max_len in served.items()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, _: str = Depends(tenant_of)) -> dict[str, Any]:
-        served = known_model()
-        if served is None and model_id != backend.model_name:
+        served = served_models()
+        if served:
+            if model_id not in served:
+                raise not_found(model_id, served)
+            return model_card(model_id, served[model_id])
+        if model_id != backend.model_name:
             # Whether it is served is not known yet (no decoder heard): say so, retryably, never a wrong 404.
             raise oa.ApiError(503, "No decode worker has announced the model it serves yet; retry shortly.",
                               type="server_error", code="model_not_announced", retry_after_s=1)
-        if served is not None and model_id != served:
-            raise oa.model_not_found(model_id)
-        return model_card(model_id)
+        return model_card(model_id, backend.max_model_len)
 
     @app.get("/healthz")
     @app.get("/health")  # the path vLLM serves, which load generators such as GuideLLM probe

@@ -75,6 +75,8 @@ ERROR_MAP: dict[ErrorCode, tuple[int, str, str]] = {
     # The API key was known here but its tenant is not known to the backend: authenticated, not allowed.
     ErrorCode.UNKNOWN_TENANT: (403, "permission_error", "unknown_tenant"),
     ErrorCode.FORBIDDEN: (403, "permission_error", "forbidden"),
+    ErrorCode.MODEL_NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    ErrorCode.MODEL_NOT_ALLOWED: (403, "permission_error", "model_not_allowed"),
     ErrorCode.QUOTA_EXCEEDED: (429, "rate_limit_error", "rate_limit_exceeded"),
     ErrorCode.NO_WORKERS: (503, "server_error", "no_workers"),
     ErrorCode.BUSY: (503, "server_error", "busy"),
@@ -96,6 +98,8 @@ def api_error_from(exc: SplitserveError, *, kind: Kind) -> ApiError:
     param = None
     if exc.code in (ErrorCode.PROMPT_TOO_LONG, ErrorCode.PAYLOAD_TOO_LARGE):
         param = "messages" if kind == "chat" else "prompt"
+    elif exc.code in (ErrorCode.MODEL_NOT_FOUND, ErrorCode.MODEL_NOT_ALLOWED):
+        param = "model"
     retry = None
     if status in _RETRY_STATUSES:
         retry = exc.retry_after_s if exc.retry_after_s is not None else 1.0
@@ -121,9 +125,12 @@ def api_error_from_validation(exc: ValidationError | Any) -> ApiError:
     return ApiError(400, f"Invalid value for '{param}': {msg}" if param else msg, param=param, code="invalid_value")
 
 
-def model_not_found(model: str) -> ApiError:
-    return ApiError(404, f"The model '{model}' does not exist or you do not have access to it.", param="model",
-                    code="model_not_found")
+def model_not_found(model: str, served: list[str] | None = None) -> ApiError:
+    """OpenAI's 404 for an unknown model; ``served``: the names that are served, listed in the message."""
+    msg = f"The model '{model}' does not exist or you do not have access to it."
+    if served:
+        msg += f" Served models: {', '.join(served)}."
+    return ApiError(404, msg, param="model", code="model_not_found")
 
 
 def invalid_api_key() -> ApiError:

@@ -232,11 +232,26 @@ class FrontendService(Service):
         return self.cluster_metrics.exposition()
 
     # --- Backend (what the HTTP layer calls) --------------------------------------------------------
+    def _decoder_models(self) -> dict[str, int | None]:
+        """Every model a live decoder announces -> the smallest max_model_len announced for it: the routers'
+        default model first (the one their heartbeats name, when a decoder serves it), then the others sorted by
+        name, so every front door and every router agree on the default."""
+        lens: dict[str, int | None] = {}
+        now = time.monotonic()
+        for hb in self.registry.live("decode", now):
+            if not hb.model:
+                continue
+            known = lens.get(hb.model)
+            if hb.max_model_len:
+                lens[hb.model] = hb.max_model_len if known is None else min(known, hb.max_model_len)
+            else:
+                lens.setdefault(hb.model, None)
+        defaults = {hb.model for hb in self.registry.live("router", now) if hb.model in lens}
+        first = [min(defaults)] if defaults else []  # (routers disagree only mid-rollout: any one, the same everywhere)
+        return {name: lens[name] for name in first + sorted(set(lens) - set(first))}
+
     def _decoder_model(self) -> str | None:
-        for hb in self.registry.live("decode", time.monotonic()):
-            if hb.model:
-                return hb.model
-        return None
+        return next(iter(self._decoder_models()), None)
 
     def registry_warm(self) -> bool:
         """Whether the registry shows the cluster as it is: a decoder has been heard, or the heartbeats have been
@@ -252,26 +267,45 @@ class FrontendService(Service):
             await asyncio.sleep(0.02)
 
     @property
+    def served_models(self) -> dict[str, int | None]:
+        """The models known to be served -> their max_model_len: every model a live decoder announces (the
+        smallest max_model_len announced for it), the routers' default first (a request's default when it names
+        none), then sorted by name. With ``--model-name``: that one name (the smallest
+        max_model_len of its decoders, or of all decoders when none announces that name). Empty while no
+        decoder has been heard. The router's name (its tokenizer's) is not one: it may differ (the mock engine's
+        "mock-" prefix), and a front door that has heard only the router must not 404 the real one."""
+        announced = self._decoder_models()
+        if not self._model_name:
+            return announced
+        own = announced.get(self._model_name)
+        if own is None:
+            lens = [n for n in announced.values() if n]
+            own = min(lens) if lens else None
+        return {self._model_name: own}
+
+    @property
     def model_name(self) -> str | None:
-        if self._model_name:
-            return self._model_name
+        """The (first) served model's name; before a decoder is heard, the name the router announces."""
+        served = self.served_models
+        if served:
+            return next(iter(served))
         # Learned from the workers: decoders name the model they serve; the router names its tokenizer's.
-        now = time.monotonic()
-        for role in ("decode", "router"):
-            for hb in self.registry.live(role, now):
-                if hb.model:
-                    return hb.model
+        for hb in self.registry.live("router", time.monotonic()):
+            if hb.model:
+                return hb.model
         return None
 
     @property
     def served_model_name(self) -> str | None:
-        """The model known to be served (configured, or announced by a live decoder): the only name a request
-        may be refused against. The router's name (its tokenizer's) is not one: it may differ (the mock
-        engine's "mock-" prefix), and a front door that has heard only the router must not 404 the real one."""
-        return self._model_name or self._decoder_model()
+        """The (first) model known to be served (configured, or announced by a live decoder)."""
+        return next(iter(self.served_models), None)
 
     @property
     def max_model_len(self) -> int | None:
+        """That of the (first) served model; of all live decoders when none is known."""
+        served = self.served_models
+        if served:
+            return next(iter(served.values()))
         lens = [hb.max_model_len for hb in self.registry.live("decode", time.monotonic()) if hb.max_model_len]
         return min(lens) if lens else None
 
@@ -282,15 +316,23 @@ class FrontendService(Service):
         prefillers = sorted(hb.worker_id for hb in self.registry.live("prefill", now))
         connected = self.bus is not None and self.bus.nc.is_connected
         missing = [what for what, ok in (("nats", connected), ("router", routers), ("decode", decoders)) if not ok]
+        # "model": the first served model (the one field older probes read); "models": every one.
         return not missing, {"nats_connected": connected, "routers": routers, "decoders": decoders,
-                             "prefillers": prefillers, "model": self.model_name, "missing": missing}
+                             "prefillers": prefillers, "model": self.model_name, "models": list(self.served_models),
+                             "missing": missing}
 
     def generate(self, args: oa.GenerateArgs, *, tenant: str, request_id: str) -> Stream:
         if self._client is None or self.bus is None or not self.bus.nc.is_connected:
             # While NATS reconnects a request would only wait out the accept timeout: say so at once.
             raise errors.Unavailable("the front door is not connected to NATS (reconnecting); retry shortly",
                                      request_id=request_id)
-        return self._client.generate(args.prompt, request_id=request_id, tenant=tenant, **args.client_kwargs())
+        kwargs = args.client_kwargs()  # the chosen model travels as GenerateRequest.model (routed by it)
+        if self._model_name and kwargs.get("model") == self._model_name \
+                and self._model_name not in self._decoder_models():
+            # --model-name names the one model under a name of its own, which no decoder announces: the router
+            # is asked for its default model instead of a name it would not know.
+            del kwargs["model"]
+        return self._client.generate(args.prompt, request_id=request_id, tenant=tenant, **kwargs)
 
     async def cancel_request(self, request_id: str) -> None:
         """Hook: the HTTP caller went away before its request ended.

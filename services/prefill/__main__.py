@@ -17,6 +17,7 @@ def main(
     worker_id: str = typer.Option("prefill-0"),
     engine: str = cli.Engine,
     model: str | None = cli.Model,
+    served_model_name: str | None = cli.ServedModelName,
     dtype: str = cli.Dtype,
     threads: int | None = cli.Threads,
     block_size: int = cli.BlockSize,
@@ -42,7 +43,7 @@ def main(
     from splitserve.services.prefill.service import PrefillService
 
     opts = EngineOptions(engine=engine, model=model, dtype=dtype, threads=threads, block_size=block_size,
-                         transport=transport, cpus=parse_cpus(cpus))
+                         transport=transport, cpus=parse_cpus(cpus), served_model_name=served_model_name)
     if engine == "vllm":
         from splitserve.services.common.vllm_worker import VllmOptions
         from splitserve.services.prefill.vllm_service import VllmPrefillService

@@ -252,11 +252,17 @@ class PrefillService(Service):
         keys.extend(j.key for j in self.batching)
         return keys
 
+    @property
+    def model_name(self) -> str:
+        """The name this worker serves its model under (``--served-model-name``, else the engine's): what its
+        heartbeats announce, and what routers match a request's model against."""
+        return self.opts.model_name(self.engine.info.name)
+
     def heartbeat_extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"engine": self.opts.engine, "transport": self.opts.transport,
                                  "block_size": self.opts.block_size}
         if hasattr(self, "engine"):
-            extra.update(model=self.engine.info.name, max_model_len=self.engine.info.max_model_len)
+            extra.update(model=self.model_name, max_model_len=self.engine.info.max_model_len)
         return extra
 
     async def on_cancel(self, c: CancelRequest, _: Msg) -> None:
@@ -271,7 +277,7 @@ class PrefillService(Service):
                     request_id=job.request_id, seq=job.start_seq, token_ids=job.resume_token_ids,
                     text=job.resume_text, finish_reason="cancelled",
                     usage=usage, route=job.route, prefill_worker=self.worker_id, decode_worker=job.decoder_id,
-                    decision=job.decision))
+                    decision=job.decision, model=self.model_name))
                 await self.b.publish(Subjects.finished(job.tenant, job.request_id), RequestFinished(
                     request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id, status="cancelled",
                     usage=usage, route=job.route))

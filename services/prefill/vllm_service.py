@@ -98,7 +98,7 @@ class VllmPrefillService(PrefillService):
         extra: dict[str, Any] = {"engine": "vllm", "transport": f"vllm-{self.vopts.kv_connector}",
                                  "block_size": self.vopts.route_block_size}
         if hasattr(self, "engine"):
-            extra.update(model=self.engine.info.name, max_model_len=self.engine.info.max_model_len)
+            extra.update(model=self.model_name, max_model_len=self.engine.info.max_model_len)
         return extra
 
     def remote_decode_params(self, job: DecodeJob) -> dict[str, Any]:

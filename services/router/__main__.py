@@ -14,7 +14,9 @@ app = typer.Typer(add_completion=False)
 def main(
     nats_url: str = typer.Option("nats://127.0.0.1:4222", envvar="SPLITSERVE_NATS_URL"),
     worker_id: str = typer.Option("router-0"),
-    model: str | None = typer.Option(None, help="model path (default: the bundled SmolLM2)"),
+    model: list[str] = typer.Option([], "--model", help="a served model: NAME=PATH, or PATH (named by its files); "
+                                    "repeatable: the router then serves several, routing each request to its model's "
+                                    "workers (the first is the default); PATH 'bundled' or none: the bundled SmolLM2"),
     strategy: str = typer.Option("roundrobin"),
     disagg_threshold: int = typer.Option(512, help="uncached prompt tokens at or above which to use a prefiller"),
     no_worker_wait_s: float = typer.Option(5.0),
@@ -39,9 +41,14 @@ def main(
     log_level: str = typer.Option("INFO"),
     drain_timeout_s: float = cli.DrainTimeout,
 ) -> None:
+    from splitserve.services.router.models import ModelTable
     from splitserve.services.router.service import RouterService
 
-    run_service(RouterService(worker_id, nats_url, model=model, strategy=strategy,
+    try:
+        ModelTable(list(model) or None)  # a wrong --model is a clear error here, not a traceback
+    except (ValueError, FileNotFoundError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from None
+    run_service(RouterService(worker_id, nats_url, model=model or None, strategy=strategy,
                               disagg_threshold=disagg_threshold, no_worker_wait_s=no_worker_wait_s,
                               max_stall_ms=max_stall_ms if max_stall_ms > 0 else None,
                               decoder_prefill_tps=decoder_prefill_tps, tenants_file=tenants, queue=queue,

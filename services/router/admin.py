@@ -9,6 +9,7 @@ from nats.aio.msg import Msg
 from splitserve import proto
 from splitserve.proto import (
     ErrorCode,
+    GenerateRequest,
     QueueReport,
     QueueReportRequest,
     TenantQueue,
@@ -48,12 +49,18 @@ class Admin(RouterCore):
         every routing state as it was (``splitserve.services.router.explain``)."""
         from splitserve.services.router import explain
 
+        served = self.models.resolve(req.model)
+        if served is None:
+            await self.b.reply_error(msg, ErrorCode.MODEL_NOT_FOUND, self.models.not_found(req.model or ""))
+            return
         try:
-            ids = explain.prompt_ids(self.tokenizer.token_ids, req)
+            ids = explain.prompt_ids(served.tok.token_ids, req)
         except Exception as exc:
             await self.b.reply_error(msg, ErrorCode.BAD_REQUEST, f"could not tokenize the prompt: {exc}")
             return
         now = self.clock()
-        live = self.registry.live("decode", now) + self.registry.live("prefill", now)
+        live = self._live("decode", served.name, now) + self._live("prefill", served.name, now)
+        salt = self._cache_salt(GenerateRequest(request_id="explain", tenant=req.tenant, prompt_token_ids=[0],
+                                                cache_salt=req.cache_salt, model=served.name))
         await self.b.respond(msg, explain.answer(self.worker_id, self.policy, req, ids, live, self._view, now,
-                                                 cache_salt=self.tenants.cache_salt(req.tenant, req.cache_salt)))
+                                                 cache_salt=salt))

@@ -44,6 +44,7 @@ from splitserve.routing.router import Router
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
 from splitserve.runtime.workqueue import WorkQueue
+from splitserve.services.router.models import ModelTable
 from splitserve.services.router.shared import CorruptRecord, RequestRegistry, SharedQuota
 from splitserve.tenancy import TenantsConfig, load_tenants
 from splitserve.tenancy.fairshare import FairScheduler
@@ -96,7 +97,6 @@ class RouterCore(Service):
     wq: WorkQueue
     requests: RequestRegistry
     shared_quota: SharedQuota
-    tokenizer: PromptTokenizer
     index: PrefixIndex
     policy: Router
 
@@ -105,7 +105,7 @@ class RouterCore(Service):
         worker_id: str,
         nats_url: str,
         *,
-        model: str | None = None,
+        model: str | list[str] | None = None,
         strategy: str = "roundrobin",
         disagg_threshold: int = 512,
         no_worker_wait_s: float = 5.0,
@@ -125,7 +125,8 @@ class RouterCore(Service):
         self.clock: Callable[[], float] = time.monotonic  # every part's notion of now (tests set their own)
         self.max_migrations = max_migrations
         self._intake_subs: list[Any] = []
-        self.model = model
+        # The served models (--model, repeatable: NAME=PATH or PATH; the first is the default)
+        self.models = ModelTable([model] if isinstance(model, str) or model is None else list(model))
         self.strategy_name = strategy
         self.disagg_threshold = disagg_threshold
         self.results_ttl_s = results_ttl_s
@@ -173,8 +174,13 @@ class RouterCore(Service):
     def active_requests(self) -> list[str]:
         return list(self.inflight)
 
+    @property
+    def tokenizer(self) -> PromptTokenizer:
+        """The default model's tokenizer."""
+        return self.models.default.tok
+
     def heartbeat_extra(self) -> dict[str, object]:
-        return {"model": self.tokenizer.name if hasattr(self, "tokenizer") else None}
+        return {"model": self.models.default.name}
 
     async def _registry_warmup(self) -> None:
         """Wait until this router has heard every live worker (three heartbeat intervals since start): a request
@@ -304,36 +310,46 @@ class RouterCore(Service):
             r = self._rates[(tenant, what)] = _Rate()
         return r
 
-    async def _wait_for_decoders(self) -> list[Heartbeat]:
-        """Live decoders, waiting (bounded) for one to appear, so "no workers" is a clear, early answer."""
+    def _live(self, role: str, model: str, now: float) -> list[Heartbeat]:
+        """The live workers of a role that serve ``model``."""
+        of = self.models.model_of
+        return [hb for hb in self.registry.live(role, now) if of(hb) == model]
+
+    async def _wait_for_decoders(self, model: str) -> list[Heartbeat]:
+        """Live decoders of ``model``, waiting (bounded) for one to appear, so "no workers" is a clear, early
+        answer."""
         deadline = self.clock() + self.no_worker_wait_s
         while True:
             now = self.clock()
-            decoders = self.registry.live("decode", now)
+            decoders = self._live("decode", model, now)
             if decoders or now >= deadline:
                 return decoders
             self._worker_change.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._worker_change.wait(), timeout=max(0.05, deadline - now))
 
-    def free_slots(self, now: float) -> int:
+    def free_slots(self, now: float, model: str | None = None) -> int:
         """Decode slots this router may fill now: the request book's slot ledger (``RequestBook.free_slots``), over
-        the decoders the registry counts live (ready, reachable, heard within their heartbeat timeout)."""
-        return self.book.free_slots(now)
-
-    def _model_name(self) -> str | None:
-        return self.tokenizer.name if hasattr(self, "tokenizer") else None
+        the decoders the registry counts live (ready, reachable, heard within their heartbeat timeout); of one
+        served model's decoders, or of all (None)."""
+        return self.book.free_slots(now, model)
 
     def _cache_salt(self, req: GenerateRequest) -> str:
         """The salt keying this request's prefix-cache blocks (index lookups here, the workers' stores and KV
         events): from the tenant the router trusts (``req.tenant``, the one its subject is authorised for) and
-        the request's own optional salt, never from the request alone (``TenantsConfig.cache_salt``)."""
-        return self.tenants.cache_salt(req.tenant, req.cache_salt)
+        the request's own optional salt, never from the request alone (``TenantsConfig.cache_salt``). With
+        several models it is scoped to the request's model too (``|m:`` and the model's pool token, which holds
+        no ``|``: unambiguous), so no prompt hits another model's blocks."""
+        salt = self.tenants.cache_salt(req.tenant, req.cache_salt)
+        if self.models.single:
+            return salt
+        return f"{salt}|m:{self.models.served(req.model).pool}"
 
     def _decide(self, req: GenerateRequest, token_ids: list[int], salt: str, now: float) -> Decision:
         """The policy's decision for ``req`` over ``token_ids`` (its prompt, or prompt + tokens so far when it
         moves) among the workers live now; raises NoWorkers."""
-        views = [self._view(hb) for hb in self.registry.live("decode", now) + self.registry.live("prefill", now)]
+        model = self.models.served(req.model).name
+        views = [self._view(hb) for hb in self._live("decode", model, now) + self._live("prefill", model, now)]
         rreq = RoutingRequest(request_id=req.key, tenant=req.tenant, token_ids=token_ids,
                               session_key=req.session_id, force_route=None if req.route == "auto" else req.route,
                               cache_salt=salt)

@@ -61,20 +61,23 @@ class Dispatch(RouterCore):
                     await asyncio.wait_for(self._dispatch_wake.wait(), timeout=0.5)
 
     async def _dispatch_some(self) -> bool:
+        # Each served model's lanes drain only into that model's free decode slots: a model whose decoders are
+        # full holds its requests in the queue without holding up another model's.
         progressed = False
-        while not self.draining and (free := self.free_slots(self.clock())) > 0:
-            tenant = self.fair.pick(self.wq.pending_by_tenant())
-            if tenant is None:
-                break
-            # A few at a time when many slots are free (one round trip to the server for several requests);
-            # few enough that the fair scheduler still decides at a fine grain.
-            qmsgs = await self.wq.fetch(tenant, dispatch_batch(free))
-            if not qmsgs:
-                continue
-            progressed = True
-            # Each dispatch claims its request with one compare-and-set on the registry: the batch's round
-            # trips overlap.
-            await asyncio.gather(*(self._dispatch(qmsg) for qmsg in qmsgs))
+        for m in self.models.models:
+            while not self.draining and (free := self.free_slots(self.clock(), m.name)) > 0:
+                tenant = self.fair.pick(self.wq.pending_by_tenant(m.pool))
+                if tenant is None:
+                    break
+                # A few at a time when many slots are free (one round trip to the server for several requests);
+                # few enough that the fair scheduler still decides at a fine grain.
+                qmsgs = await self.wq.fetch(tenant, dispatch_batch(free), m.pool)
+                if not qmsgs:
+                    continue
+                progressed = True
+                # Each dispatch claims its request with one compare-and-set on the registry: the batch's round
+                # trips overlap.
+                await asyncio.gather(*(self._dispatch(qmsg) for qmsg in qmsgs))
         return progressed
 
     async def _dispatch(self, qmsg: Msg) -> None:
@@ -97,7 +100,7 @@ class Dispatch(RouterCore):
             delivered = int(qmsg.metadata.num_delivered)
             wait_ms = max(0.0, now_ms() - q.accepted_ms)
             tracing.set_attrs(sp, queue_wait_ms=round(wait_ms, 2), deliveries=delivered)
-            sp.set_attributes(tracing.gen_ai_of(req, self._model_name()))
+            sp.set_attributes(tracing.gen_ai_of(req, self.models.served(req.model).name))
             if key in self.inflight:  # redelivered while we still run it (a missed keep-alive): keep the newest
                 self.inflight[key].queue_msg = qmsg
                 return
@@ -245,7 +248,10 @@ class Dispatch(RouterCore):
             for inf in self.inflight.values():
                 if inf.queue_msg is not None:
                     held[inf.queue_msg.subject] = held.get(inf.queue_msg.subject, 0) + 1
+            pools = {m.pool for m in self.models.models}
             for lane in self.wq.lanes():
+                if lane.pool not in pools:  # another model's lane: its own routers sweep it
+                    continue
                 if lane.pending > 0 or lane.ack_pending <= held.get(lane.subject, 0):
                     continue
                 try:

@@ -26,6 +26,7 @@ from splitserve.proto import (
 )
 from splitserve.runtime.bus import PayloadTooLarge, reply_allowed
 from splitserve.services.router.core import RouterCore
+from splitserve.services.router.tokenize import PromptTokenizer
 
 _REFUSAL_CODES = {"unknown_tenant": ErrorCode.UNKNOWN_TENANT, "quota_exceeded": ErrorCode.QUOTA_EXCEEDED,
                   "prompt_too_long": ErrorCode.PROMPT_TOO_LONG, "bad_request": ErrorCode.BAD_REQUEST}
@@ -46,7 +47,7 @@ class Intake(RouterCore):
                 structlog.contextvars.bound_contextvars(request_id=req.request_id, tenant=req.tenant):
             tracing.set_attrs(sp, route_requested=req.route, max_tokens=req.sampling.max_tokens,
                               priority=req.priority)
-            sp.set_attributes(tracing.gen_ai_of(req, self._model_name()))
+            sp.set_attributes(tracing.gen_ai_of(req, self.models.served(req.model).name))
             await self._intake(req, msg, sp)
 
     async def _reject(self, req: GenerateRequest, msg: Msg, code: ErrorCode, message: str,
@@ -87,17 +88,27 @@ class Intake(RouterCore):
             await self._reject(req, msg, ErrorCode.BUSY, f"the router serves at most {OPEN_MODE_MAX_TENANTS:,} "
                                "distinct tenants without a tenants file", retry_after_s=5.0)
             return
+        served = self.models.resolve(req.model)
+        if served is None:
+            await self._reject(req, msg, ErrorCode.MODEL_NOT_FOUND, self.models.not_found(req.model or ""))
+            return
+        if not self.tenants.allows_model(req.tenant, served.name):
+            await self._reject(req, msg, ErrorCode.MODEL_NOT_ALLOWED, f"tenant {req.tenant!r} may not use model "
+                               f"{served.name!r} (its models in the tenants file)")
+            return
+        req.model = served.name  # what dispatch, migration and a re-send read from here on
+        tok = served.tok
         # Cheap checks first: a prompt whose size alone puts it over a limit is refused before any tokenizer
         # work (three 6 MB prompts once stalled this loop for 16 s), and a large one is tokenized off the loop.
-        nbytes = self.tokenizer.text_bytes(req)
-        floor, limit = self.tokenizer.min_tokens(req, nbytes), self._prompt_limit(req.tenant)
+        nbytes = tok.text_bytes(req)
+        floor, limit = tok.min_tokens(req, nbytes), self._prompt_limit(req.tenant, served.name)
         if limit is not None and floor > limit[0]:
             await self._reject(req, msg, ErrorCode.PROMPT_TOO_LONG,
                                f"prompt has at least {floor:,} tokens ({nbytes:,} bytes); "
                                f"{limit[1]} accepts at most {limit[0]:,}")
             return
         try:
-            ids = await self._tokenize(req, nbytes)
+            ids = await self._tokenize(req, nbytes, tok)
         except _TokenizerBusy as exc:
             await self._reject(req, msg, ErrorCode.BUSY, str(exc), retry_after_s=0.5)
             return
@@ -107,10 +118,11 @@ class Intake(RouterCore):
         if not ids:
             await self._reject(req, msg, ErrorCode.BAD_REQUEST, "the prompt is empty after tokenization")
             return
-        decoders = await self._wait_for_decoders()
+        decoders = await self._wait_for_decoders(served.name)
         if not decoders:
+            of = "" if self.models.single else f" of model {served.name!r}"
             await self._reject(req, msg, ErrorCode.NO_WORKERS,
-                               f"no live decode worker within {self.no_worker_wait_s:.1f}s")
+                               f"no live decode worker{of} within {self.no_worker_wait_s:.1f}s")
             return
         max_len = min(hb.max_model_len or 1 << 30 for hb in decoders)
         if len(ids) >= max_len:
@@ -121,7 +133,7 @@ class Intake(RouterCore):
         now = self.clock()
         queued = self.wq.pending_by_tenant().get(req.tenant, 0)
         if self.use_queue:
-            await self._intake_queued(req, msg, sp, ids, queued)
+            await self._intake_queued(req, msg, sp, ids, queued, served.pool)
             return
         refusal = self.quota.check(req.tenant, len(ids), req.sampling.max_tokens, queued, now)
         if refusal is not None:
@@ -161,36 +173,35 @@ class Intake(RouterCore):
         self._open_tenants.add(tenant)
         return True
 
-    def _prompt_limit(self, tenant: str) -> tuple[int, str] | None:
-        """The most prompt tokens a request of ``tenant`` may have, and whose limit that is."""
+    def _prompt_limit(self, tenant: str, model: str) -> tuple[int, str] | None:
+        """The most prompt tokens a request of ``tenant`` for ``model`` may have, and whose limit that is."""
         best: tuple[int, str] | None = None
         lim = self.tenants.limits(tenant)
         if lim is not None and lim.max_prompt_tokens is not None:
             best = (lim.max_prompt_tokens, f"tenant {tenant!r} (max_prompt_tokens)")
-        lens = [hb.max_model_len for hb in self.registry.live("decode", self.clock()) if hb.max_model_len]
+        lens = [hb.max_model_len for hb in self._live("decode", model, self.clock()) if hb.max_model_len]
         if lens and (best is None or min(lens) - 1 < best[0]):
             best = (min(lens) - 1, "the model")
         return best
 
-    async def _tokenize(self, req: GenerateRequest, text_bytes: int) -> list[int]:
+    async def _tokenize(self, req: GenerateRequest, text_bytes: int, tok: PromptTokenizer) -> list[int]:
         """Token ids of the prompt: a small one here (microseconds), a large one on the tokenizer thread, at most
         TOKENIZE_WAITING of them waiting at once (then ``busy``), so neither the event loop (heartbeats, every
         other tenant's intake and streams) nor memory is held by a few huge prompts."""
         # A conversation's template renders every message (a 100k-message list is slow with tiny contents).
         work = text_bytes + 64 * len(req.messages or ())
         if work <= INLINE_TOKENIZE_BYTES:
-            return self.tokenizer.token_ids(req)
+            return tok.token_ids(req)
         if self._tokenizing >= TOKENIZE_WAITING:
             raise _TokenizerBusy(f"{self._tokenizing} large prompts are being tokenized; retry shortly")
         self._tokenizing += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self.tokenizer.token_ids,
-                                                                    req)
+            return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, tok.token_ids, req)
         finally:
             self._tokenizing -= 1
 
     async def _intake_queued(self, req: GenerateRequest, msg: Msg, sp: trace.Span, ids: list[int],
-                             queued: int) -> None:
+                             queued: int, pool: str) -> None:
         """Reserve quota (global), register the request id (create-only: once cluster-wide), store it in the
         queue, answer Accepted. A step that fails undoes the ones before it, so a refused request holds
         nothing."""
@@ -225,11 +236,11 @@ class Intake(RouterCore):
         if rev is None:
             # The id is known cluster-wide: a re-send, to this or another router, or after a restart.
             await self._unreserve(tenant, rid, reserved)
-            await self._reattach(req, msg, ids)
+            await self._reattach(req, msg, ids, pool)
             return
         q = QueuedRequest(request=req, prompt_token_ids=ids, router_id=self.worker_id, record_revision=rev)
         try:
-            await self.wq.enqueue(q)
+            await self.wq.enqueue(q, pool)
         except Exception as exc:
             # Not stored, so not accepted: the caller may retry (the queue stream full or unreachable).
             await self.requests.delete(rec, rev)
@@ -254,7 +265,7 @@ class Intake(RouterCore):
             with contextlib.suppress(Exception):  # else the reconciliation sweep releases it
                 await self.shared_quota.finish(tenant, rid, None)
 
-    async def _reattach(self, req: GenerateRequest, msg: Msg, ids: list[int]) -> None:
+    async def _reattach(self, req: GenerateRequest, msg: Msg, ids: list[int], pool: str) -> None:
         """A re-sent request id: still queued or running, it is accepted again (it keeps streaming on the same
         subject); already ended, running it again would serve it twice, so say so."""
         rid = req.request_id
@@ -280,7 +291,7 @@ class Intake(RouterCore):
             # means not accepted: the caller hears so and may retry, rather than wait for a request no queue holds.
             try:
                 await self.wq.enqueue(QueuedRequest(request=req, prompt_token_ids=ids, router_id=rec.accepted_by,
-                                                    accepted_ms=rec.accepted_ms, record_revision=rev))
+                                                    accepted_ms=rec.accepted_ms, record_revision=rev), pool)
             except Exception as exc:
                 await self._reject(req, msg, ErrorCode.BUSY, f"the request queue did not take the re-sent request: "
                                    f"{exc}", retry_after_s=1.0)

@@ -174,7 +174,7 @@ class Migration(RouterCore):
                              f"{reason} while serving this request, after {attempt} migration(s) "
                              f"(--max-migrations {self.max_migrations})", failed)
             return
-        decoders = await self._wait_for_decoders()
+        decoders = await self._wait_for_decoders(self.models.served(inf.request.model if inf.request else None).name)
         if self.inflight.get(inf.key) is not inf:
             return
         if not decoders:

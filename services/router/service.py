@@ -79,8 +79,6 @@ class RouterService(Intake, Dispatch, Migration, QueuedEnds, Peers, Admin, Route
     role = "router"
 
     async def setup(self) -> None:
-        from splitserve.services.router.tokenize import PromptTokenizer
-
         # Async jobs' results are kept (per tenant subject, with a TTL) in JetStream for later fetching.
         js = self.b.nc.jetstream()
         cfg = StreamConfig(name=Subjects.RESULTS_STREAM, subjects=[Subjects.RESULTS_ALL],
@@ -95,7 +93,7 @@ class RouterService(Intake, Dispatch, Migration, QueuedEnds, Peers, Admin, Route
             await self.requests.setup()
             self.shared_quota = SharedQuota(js, self.tenants, self.quota, replicas=replicas_for(self.b.nc))
             await self.shared_quota.setup()
-        self.tokenizer = await asyncio.to_thread(PromptTokenizer, self.model)
+        await asyncio.to_thread(self.models.load_tokenizers)
         self.make_policy()
 
     def make_policy(self) -> None:
@@ -141,7 +139,8 @@ class RouterService(Intake, Dispatch, Migration, QueuedEnds, Peers, Admin, Route
             held = self.book.heartbeat(hb.worker_id, hb.role, hb.active_requests, now,
                                        running=load.active_seqs + load.queued_requests, max_seqs=load.max_seqs,
                                        pool=hb.pool, ready=hb.state == "ready",
-                                       live_until=now + self.registry.timeout_for(st))
+                                       live_until=now + self.registry.timeout_for(st),
+                                       model=self.models.model_of(hb))
             for key in held:
                 self.policy.release(key, hb.worker_id)  # this worker's own load report now counts it
             if hb.role == "decode":

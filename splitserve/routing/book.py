@@ -120,12 +120,13 @@ class Lost:
 class _Decoder:
     """One decoder's slot ledger: its last report, and what changed since."""
 
-    __slots__ = ("max_seqs", "pool", "running", "listed", "gone", "mine", "unlisted", "remote", "offered", "slots",
-                 "dead", "live_until")
+    __slots__ = ("max_seqs", "pool", "model", "running", "listed", "gone", "mine", "unlisted", "remote", "offered",
+                 "slots", "dead", "live_until")
 
     def __init__(self) -> None:
         self.max_seqs: int | None = None
         self.pool = "general"
+        self.model: str | None = None  # the served model it decodes (its slots count for that model's dispatch)
         self.running = 0  # active + queued in its last report
         self.listed: set[str] = set()  # what that report listed, less what ended since
         self.gone = 0  # how many of those ended since
@@ -154,6 +155,7 @@ class RequestBook(Generic[F]):
         self.flights: dict[str, F] = {}
         self._decoders: dict[str, _Decoder] = {}
         self.free = 0  # sum of every decoder's offered slots (kept as they change: dispatch asks often)
+        self.free_by_model: dict[str | None, int] = {}  # the same per served model
         self._recent_ends: OrderedDict[str, None] = OrderedDict()
         self._recent_ends_kept = recent_ends_kept
         self._remote: deque[tuple[float, str, str]] = deque()  # (at, key, decoder) of other routers' dispatches
@@ -228,8 +230,10 @@ class RequestBook(Generic[F]):
 
     def _refresh(self, d: _Decoder) -> None:
         new = d.free()
-        self.free += new - d.slots
-        d.slots = new
+        if new != d.slots:
+            self.free += new - d.slots
+            self.free_by_model[d.model] = self.free_by_model.get(d.model, 0) + new - d.slots
+            d.slots = new
 
     def _prune(self, worker: str, d: _Decoder) -> None:
         # a dead decoder's ledger goes once nothing counts on it (worker ids may never come back: bounded)
@@ -239,12 +243,12 @@ class RequestBook(Generic[F]):
     # --- what the workers report ---------------------------------------------------------------------------
     def heartbeat(self, worker: str, role: str, listed: Collection[str], now: float, *, running: int = 0,
                   max_seqs: int | None = None, pool: str = "general", ready: bool = True,
-                  live_until: float | None = None) -> list[str]:
+                  live_until: float | None = None, model: str | None = None) -> list[str]:
         """A worker's report: ``listed`` the request keys it holds (until each one's end is stored); for a decoder
         ``running`` its active + queued sequences, ``max_seqs`` its batch size, ``ready`` whether it takes work,
         and ``live_until`` when it counts as gone unless it reports again (None: never; the registry's
-        heartbeat timeout). Returns the keys of this book's flights it lists (its own load figures count them
-        from now on)."""
+        heartbeat timeout); ``model`` the served model it decodes (its free slots are that model's). Returns the
+        keys of this book's flights it lists (its own load figures count them from now on)."""
         flights = self.flights
         held = [k for k in listed if k in flights]
         for key in held:
@@ -262,6 +266,10 @@ class RequestBook(Generic[F]):
             # A request whose end arrived before this report is listed only until its end is stored (not in the
             # load figures): it cannot end again here.
             d.listed = {k for k in listed if k not in ends}
+            if d.model != model and d.slots:  # (a worker id now serving another model): its slots move along
+                self.free_by_model[d.model] -= d.slots
+                self.free_by_model[model] = self.free_by_model.get(model, 0) + d.slots
+            d.model = model
             d.gone = 0
             d.running, d.max_seqs, d.pool, d.offered, d.dead = running, max_seqs, pool, ready, False
             d.live_until = live_until
@@ -353,14 +361,14 @@ class RequestBook(Generic[F]):
                 self._remote_done(key)
 
     # --- decisions -------------------------------------------------------------------------------------------
-    def free_slots(self, now: float) -> int:
+    def free_slots(self, now: float, model: str | None = None) -> int:
         """Decode slots dispatch may fill now: each heard decoder's batch size (plus a little, so a worker never
         idles between one request finishing and the next arriving) less what it runs (its last report, less the
         listed requests that ended since) or was sent (by this router, or by the others) that its report does
-        not show yet."""
+        not show yet. ``model``: of that served model's decoders only (None: all)."""
         self._expire_remote(now)
         self._expire_silent(now)
-        return self.free
+        return self.free if model is None else self.free_by_model.get(model, 0)
 
     def _expire_silent(self, now: float) -> None:
         # a decoder whose heartbeats timed out offers nothing (the reaper declares it dead a little later)

@@ -1,16 +1,17 @@
 """The durable request queue between the router's intake and its dispatch: JetStream mechanics only.
 
-One work-queue stream (``SS_QUEUE``) with a subject per tenant and priority class (``ss.q.{tenant}.p{c}``).
-Intake publishes each accepted request with ``Nats-Msg-Id`` = ``tenant.request``, so a re-sent request is
-de-duplicated by the server. Dispatch pulls one message at a time from the (tenant, class) the fair
-scheduler picks, through one durable pull consumer per (tenant, class) shared by every router; a message
+One work-queue stream (``SS_QUEUE``) with a subject per tenant, model pool and priority class
+(``ss.q.{tenant}.{pool}.p{c}``; ``pool`` is ``proto.model_pool`` of the served model's name). Intake publishes
+each accepted request with ``Nats-Msg-Id`` = ``tenant.request``, so a re-sent request is de-duplicated by the
+server. Dispatch pulls from the (tenant, pool, class) lanes of a model whose decoders have free slots, the
+tenant as the fair scheduler picks, through one durable pull consumer per lane shared by every router; a message
 stays un-acked while its request runs (kept alive with in-progress acks) and is acked when it finishes, so a
 router that dies mid-request has its messages redelivered to another router (or to itself, restarted) after
 the ack wait.
 
 Also here: the ``SS_USAGE`` stream that keeps every ``RequestFinished`` (usage metering, and the "did this
 request already finish?" lookup a redelivery needs), and the per-(tenant, class) pending counts the
-scheduler picks from: exact after each fetch (the server reports what is left), refreshed from consumer
+scheduler picks from (per model pool): exact after each fetch (the server reports what is left), refreshed from consumer
 info periodically to see what other routers enqueued.
 """
 
@@ -93,6 +94,7 @@ consumer_name = Subjects.queue_consumer
 @dataclass
 class _Lane:
     tenant: str
+    pool: str
     klass: int
     sub: JetStreamContext.PullSubscription
     pending: int = 0  # not yet delivered to any router
@@ -101,7 +103,7 @@ class _Lane:
 
     @property
     def subject(self) -> str:
-        return Subjects.queue(self.tenant, self.klass)
+        return Subjects.queue(self.tenant, self.klass, self.pool)
 
     def waiting(self) -> int:
         # Messages a pull that timed out client-side still brought in sit in the subscription's buffer: they
@@ -117,7 +119,7 @@ class WorkQueue:
         self.ack_wait_s = ack_wait_s
         self.usage_ttl_s = usage_ttl_s
         self.dedupe_window_s = dedupe_window_s
-        self._lanes: dict[tuple[str, int], _Lane] = {}
+        self._lanes: dict[tuple[str, str, int], _Lane] = {}  # (tenant, pool, class)
         self._lane_lock = asyncio.Lock()
 
     async def setup(self) -> None:
@@ -141,11 +143,12 @@ class WorkQueue:
                                "of the nats-server?)") from exc
 
     # --- intake ----------------------------------------------------------------------------------------
-    async def enqueue(self, q: QueuedRequest) -> bool:
-        """Store an accepted request durably. Returns False if it was a duplicate (already queued)."""
+    async def enqueue(self, q: QueuedRequest, pool: str) -> bool:
+        """Store an accepted request durably in its model ``pool``'s lane. Returns False if it was a duplicate
+        (already queued)."""
         req = q.request
         klass = priority_class(req.priority)
-        subject = Subjects.queue(req.tenant, klass)
+        subject = Subjects.queue(req.tenant, klass, pool)
         data = self.bus._payload(q)
         headers = tracing.inject(proto.headers_for(q, {"Nats-Msg-Id": req.key}))
         ack = await self.js.publish(subject, data, headers=headers, timeout=5.0)
@@ -155,48 +158,61 @@ class WorkQueue:
         # consumer); on a degraded cluster that call can go unanswered while the stream's leader is elected
         # (measured: 5 s, then a timeout, on a 3-node cluster with the leader killed). It is not the caller's
         # business: refresh() finds the lane from the stored message and makes it on a later pass.
+        existed = (req.tenant, pool, klass) in self._lanes
         try:
-            lane = await self.lane(req.tenant, klass)
+            lane = await self.lane(req.tenant, klass, pool)
         except Exception as exc:
-            log.warning("lane_deferred", tenant=req.tenant, klass=klass, error=repr(exc))
+            log.warning("lane_deferred", tenant=req.tenant, pool=pool, klass=klass, error=repr(exc))
             return True
-        lane.pending += 1
+        if existed:  # (a lane made just now read its pending count from the server: this message included)
+            lane.pending += 1
         return True
 
     # --- dispatch --------------------------------------------------------------------------------------
-    async def lane(self, tenant: str, klass: int) -> _Lane:
-        key = (tenant, klass)
+    async def lane(self, tenant: str, klass: int, pool: str) -> _Lane:
+        key = (tenant, pool, klass)
         lane = self._lanes.get(key)
         if lane is not None:
             return lane
         async with self._lane_lock:
             lane = self._lanes.get(key)
             if lane is None:
-                name = consumer_name(tenant, klass)
-                cfg = ConsumerConfig(durable_name=name, filter_subject=Subjects.queue(tenant, klass),
+                name = consumer_name(tenant, klass, pool)
+                cfg = ConsumerConfig(durable_name=name, filter_subject=Subjects.queue(tenant, klass, pool),
                                      ack_policy=AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s, max_deliver=-1,
                                      deliver_policy=DeliverPolicy.ALL, max_ack_pending=100_000)
                 # create, or update ack wait; a short wait: unanswered (a leader election), it is tried again
                 info = await self.js.add_consumer(Subjects.QUEUE_STREAM, cfg, timeout=LANE_CREATE_TIMEOUT_S)
                 sub = await self.js.pull_subscribe_bind(name, Subjects.QUEUE_STREAM)
-                lane = _Lane(tenant, klass, sub, pending=int(info.num_pending or 0), checked=time.monotonic())
+                lane = _Lane(tenant, pool, klass, sub, pending=int(info.num_pending or 0),
+                             checked=time.monotonic())
                 self._lanes[key] = lane
         return lane
 
-    def pending_by_tenant(self) -> dict[str, int]:
+    def pending_by_tenant(self, pool: str | None = None) -> dict[str, int]:
+        """Requests waiting per tenant: in one model ``pool``'s lanes, or in all (None)."""
         out: dict[str, int] = {}
-        for (tenant, _), lane in self._lanes.items():
-            out[tenant] = out.get(tenant, 0) + lane.waiting()
+        for (tenant, p, _), lane in self._lanes.items():
+            if pool is None or p == pool:
+                out[tenant] = out.get(tenant, 0) + lane.waiting()
         return out
 
-    def pending_by_class(self, tenant: str) -> dict[str, int]:
-        return {f"p{k}": max(0, lane.pending) for (t, k), lane in sorted(self._lanes.items()) if t == tenant}
+    def pools_waiting(self) -> set[str]:
+        """The model pools with a request waiting in any lane."""
+        return {p for (_, p, _), lane in self._lanes.items() if lane.waiting() > 0}
 
-    async def fetch(self, tenant: str, max_msgs: int = 1) -> list[Msg]:
-        """Up to ``max_msgs`` waiting messages of this tenant from its highest class that has any; [] if it
-        has none after all."""
+    def pending_by_class(self, tenant: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for (t, _, k), lane in sorted(self._lanes.items()):
+            if t == tenant:
+                out[f"p{k}"] = out.get(f"p{k}", 0) + max(0, lane.pending)
+        return out
+
+    async def fetch(self, tenant: str, max_msgs: int, pool: str) -> list[Msg]:
+        """Up to ``max_msgs`` waiting messages of this tenant in this model pool, from its highest class that
+        has any; [] if it has none after all."""
         for klass in range(NUM_CLASSES):
-            lane = self._lanes.get((tenant, klass))
+            lane = self._lanes.get((tenant, pool, klass))
             if lane is None or lane.waiting() <= 0:
                 continue
             want = max(1, min(max_msgs, lane.waiting()))
@@ -230,10 +246,10 @@ class WorkQueue:
         for subject in (info.state.subjects or {}):
             parts = subject.split(".")
             # Only the priority classes' lanes: fetch() pulls from those alone, so a lane beyond them (a message
-            # on ss.q.T.p7, which no router writes) would count as waiting forever and dispatch would spin on it.
-            if len(parts) == 4 and parts[3] in _CLASS_TOKENS:
+            # on ss.q.T.P.p7, which no router writes) would count as waiting forever and dispatch would spin on it.
+            if len(parts) == 5 and parts[4] in _CLASS_TOKENS:
                 with contextlib.suppress(Exception):
-                    await self.lane(parts[2], int(parts[3][1:]))
+                    await self.lane(parts[2], int(parts[4][1:]), parts[3])
         now = time.monotonic()
         for lane in list(self._lanes.values()):
             if force or now - lane.checked > 0.5:
@@ -246,14 +262,14 @@ class WorkQueue:
     async def oldest_wait_ms(self, tenant: str) -> float | None:
         """How long the oldest still-waiting request of this tenant has waited (any class)."""
         oldest: float | None = None
-        for (t, klass), lane in self._lanes.items():
+        for (t, pool, klass), lane in self._lanes.items():
             if t != tenant or lane.pending <= 0:
                 continue
             with contextlib.suppress(Exception):
                 ci = await lane.sub.consumer_info()
                 first_waiting = int(ci.delivered.stream_seq if ci.delivered else 0) + 1
                 raw = await self.js.get_msg(Subjects.QUEUE_STREAM, seq=first_waiting,
-                                            subject=Subjects.queue(tenant, klass), next=True)
+                                            subject=Subjects.queue(tenant, klass, pool), next=True)
                 q = proto.decode(raw.data or b"", QueuedRequest)
                 oldest = q.accepted_ms if oldest is None else min(oldest, q.accepted_ms)
         return None if oldest is None else max(0.0, proto.now_ms() - oldest)

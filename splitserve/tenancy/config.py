@@ -88,6 +88,9 @@ class TenantSpec(TenantLimits):
     nkey: str | None = Field(default=None, pattern=r"^U[A-Z2-7]{55}$")
     api_keys: list[str] = Field(default_factory=list)
     cache_group: str | None = None
+    # The served models (pool names) this tenant may use; None (absent): every model. A request for another
+    # gets ``model_not_allowed`` (HTTP 403).
+    models: list[str] | None = Field(default=None, max_length=256)
 
     @field_validator("cache_group")
     @classmethod
@@ -134,6 +137,11 @@ class TenantsConfig(BaseModel):
     def weight(self, tenant: str) -> float:
         lim = self.limits(tenant)
         return lim.weight if lim is not None else 1.0
+
+    def allows_model(self, tenant: str, model: str) -> bool:
+        """Whether ``tenant`` may use the served model ``model`` (its ``models:`` list; absent: every model)."""
+        spec = self.tenants.get(tenant)
+        return spec is None or spec.models is None or model in spec.models
 
     def cache_group(self, tenant: str) -> str | None:
         """The prefix-cache group the tenant shares (None: it shares with nobody)."""

@@ -35,7 +35,7 @@ role       publish                                                              
 ========== ==================================================================== ==================================
 router     ``ss.prefill.*.job``, ``ss.decode.*.job``, ``ss.decode.*.revoke``    ``ss.req.*``, ``ss.admin.queues``,
            (request), ``ss.stream.*.*``, ``ss.result.*.*``,                     ``ss.admin.route.explain``,
-           ``ss.evt.finished.*.*``, ``ss.q.*.*``, ``ss.routed.*``,              ``ss.hb.>``, ``ss.evt.finished.>``,
+           ``ss.evt.finished.*.*``, ``ss.q.*.*.*``, ``ss.routed.*``,            ``ss.hb.>``, ``ss.evt.finished.>``,
            ``ss.fair.*``, ``ss.kv.*.held`` (request), ``$KV.SS_REQUESTS.>``,    ``ss.evt.bounced.>``, ``ss.kv.*``,
            ``$KV.SS_QUOTA.>``, ``$JS.ACK.SS_QUEUE.>``; API: STREAM.INFO /       ``ss.cancel.*``, ``ss.routed.*``,
            CREATE / UPDATE of SS_RESULTS, SS_QUEUE, SS_USAGE, KV_SS_REQUESTS,    ``ss.fair.*``, ``ss.stream.*.*``
@@ -194,7 +194,7 @@ ROUTER = Permissions(
         "ss.stream.*.*",  # a request the router ends itself (refused, expired, already finished, cancelled queued)
         "ss.result.*.*",  # ... and the stored copy of that end (SS_RESULTS)
         "ss.evt.finished.*.*",  # ... and its RequestFinished (SS_USAGE)
-        "ss.q.*.*",  # intake: accepted requests into the work queue SS_QUEUE (JetStream publish)
+        "ss.q.*.*.*",  # intake: accepted requests into the work queue SS_QUEUE (tenant, model pool, class)
         "ss.routed.*",  # its dispatch notes for the other routers' pending-load ledgers
         "ss.fair.*",  # its fair-share reports for the other routers
         "ss.kv.*.held",  # request: a worker's held KV blocks (the in-process index resyncs after a gap)

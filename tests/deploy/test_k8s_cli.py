@@ -17,7 +17,7 @@ import promql_parser
 import pytest
 import yaml
 
-from splitserve import k8s
+from splitserve import k8s, proto
 from splitserve.natsserver import start_nats
 from splitserve.obs.metrics import ClusterMetrics
 from splitserve.proto import Heartbeat, WorkerLoad
@@ -106,13 +106,13 @@ async def test_secrets_log_in_to_a_real_nats_server_and_nothing_else_does(tmp_pa
             bus = await Bus.connect(srv.url, role, user=creds["user"], password=creds["password"],
                                     inbox_prefix=inbox)
             try:  # each Secret carries its role's rights: the work queue is the routers' (and the operator's)
-                await bus.nc.publish("ss.q.alpha.p0", b"{}")
+                await bus.nc.publish("ss.q.alpha.m-1.p0", b"{}")
                 for _ in range(25):
                     await bus.nc.flush()
                     if bus.denied:
                         break
                     await asyncio.sleep(0.02)
-                refused = any(d.subject == "ss.q.alpha.p0" for d in bus.denied)
+                refused = any(d.subject == "ss.q.alpha.m-1.p0" for d in bus.denied)
                 assert refused == (role not in ("router", natsauth.ADMIN_ROLE)), (role, bus.denied)
             finally:
                 await bus.close()
@@ -156,9 +156,10 @@ async def test_lanes_creates_every_consumer_the_triggers_name_and_routers_bind_t
         try:
             wq = WorkQueue(bus, ack_wait_s=30.0)
             await wq.setup()
+            pool = proto.SINGLE_POOL  # a router serving one model
             for t in cfg.tenants:  # what a router does on a tenant's first request: no config clash
                 for k in range(NUM_CLASSES):
-                    await wq.lane(t, k)
+                    await wq.lane(t, k, pool)
             for name in names:
                 info = await wq.js.consumer_info("SS_QUEUE", name)
                 assert info.config.ack_wait == 30.0 and info.num_pending == 0

@@ -71,6 +71,8 @@ class FakeBackend:
     metrics_text: bytes = b"splitserve_requests_total 0.0\n"
     model: str | None = MODEL
     max_len: int | None = 8192
+    # Several served models (name -> max_model_len, in the backend's order); None: the one of ``model``.
+    models: dict[str, int | None] | None = None
     ready: bool = True
     script: Script = field(default_factory=Script)
     on_generate: Callable[[GenerateArgs], None] | None = None
@@ -82,12 +84,18 @@ class FakeBackend:
         return self.metrics_text
 
     @property
+    def served_models(self) -> dict[str, int | None]:
+        if self.models is not None:
+            return dict(self.models)
+        return {self.model: self.max_len} if self.model else {}
+
+    @property
     def model_name(self) -> str | None:
-        return self.model
+        return next(iter(self.models), None) if self.models is not None else self.model
 
     @property
     def max_model_len(self) -> int | None:
-        return self.max_len
+        return next(iter(self.models.values()), None) if self.models is not None else self.max_len
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         return self.ready, {"missing": [] if self.ready else ["decode"]}

@@ -146,7 +146,7 @@ async def _as(server: NatsServer, conns: list[Conn], role: str | None = None, **
 async def test_decode_cannot_inject_requests_write_quotas_or_the_queue(server: NatsServer, admin: NATS,
                                                                        conns: list[Conn]) -> None:
     dec = await _as(server, conns, "decode")
-    for subject in ("ss.req.A", "$KV.SS_QUOTA.A", "$KV.SS_REQUESTS.r1", "ss.q.A.p0", "ss.prefill.p0.job",
+    for subject in ("ss.req.A", "$KV.SS_QUOTA.A", "$KV.SS_REQUESTS.r1", "ss.q.A.m-1.p0", "ss.prefill.p0.job",
                     "ss.decode.d1.job", "ss.hb.router.router-0", "ss.trace.spans.router", "ss.admin.queues",
                     "ss.routed.router-0", "ss.evt.bounced.A.r1", "ss.cancel.A",
                     "$JS.API.STREAM.CREATE.SS_RESULTS", "$JS.API.STREAM.DELETE.SS_USAGE",
@@ -204,7 +204,7 @@ async def test_a_responder_answers_only_the_request_it_got(server: NatsServer, a
 async def test_prefill_cannot_write_the_registry_or_dispatch(server: NatsServer, admin: NATS,
                                                              conns: list[Conn]) -> None:
     pre = await _as(server, conns, "prefill")
-    for subject in ("$KV.SS_REQUESTS.r1", "$KV.SS_QUOTA.A", "ss.q.A.p0", "ss.req.A", "ss.decode.d0.job",
+    for subject in ("$KV.SS_REQUESTS.r1", "$KV.SS_QUOTA.A", "ss.q.A.m-1.p0", "ss.req.A", "ss.decode.d0.job",
                     "ss.decode.d0.revoke", "ss.prefill.p1.job", "ss.hb.decode.d0", "ss.cancel.A",
                     "$JS.API.STREAM.CREATE.SS_QUEUE", "$JS.API.STREAM.MSG.GET.KV_SS_REQUESTS",
                     "$JS.API.STREAM.INFO.SS_QUEUE", "$JS.API.STREAM.NAMES"):
@@ -232,7 +232,7 @@ async def test_prefill_does_its_job(server: NatsServer, admin: NATS, conns: list
 async def test_frontend_cannot_write_the_queue_or_read_workers(server: NatsServer, admin: NATS,
                                                                conns: list[Conn]) -> None:
     fe = await _as(server, conns, "frontend")
-    for subject in ("ss.q.A.p0", "$KV.SS_QUOTA.A", "$KV.SS_REQUESTS.r1", "ss.decode.d0.job", "ss.prefill.p0.job",
+    for subject in ("ss.q.A.m-1.p0", "$KV.SS_QUOTA.A", "$KV.SS_REQUESTS.r1", "ss.decode.d0.job", "ss.prefill.p0.job",
                     "ss.stream.A.r1", "ss.result.A.r1", "ss.evt.finished.A.r1", "ss.hb.router.router-0",
                     "ss.kv.d0.held", "$JS.API.STREAM.DELETE.SS_USAGE", "$JS.API.STREAM.PURGE.SS_USAGE",
                     "$JS.API.STREAM.MSG.GET.SS_QUEUE", "$JS.API.CONSUMER.CREATE.SS_QUEUE"):
@@ -278,7 +278,7 @@ async def test_cache_index_cannot_dispatch_or_answer_for_workers(server: NatsSer
     ci = await _as(server, conns, "cache_index")
     for subject in ("ss.decode.d0.job", "ss.prefill.p0.job", "ss.decode.d0.kvready", "ss.stream.A.r1",
                     "ss.result.A.r1", "ss.evt.finished.A.r1", "ss.req.A", "ss.kv.d0", "$KV.SS_REQUESTS.r1",
-                    "$JS.API.STREAM.CREATE.SS_RESULTS", "$JS.API.STREAM.DELETE.SS_KV_EVENTS", "ss.q.A.p0"):
+                    "$JS.API.STREAM.CREATE.SS_RESULTS", "$JS.API.STREAM.DELETE.SS_KV_EVENTS", "ss.q.A.m-1.p0"):
         assert await ci.publish_refused(subject), subject
     for subject in ("ss.req.*", "ss.stream.>", "ss.decode.>", "ss.evt.finished.>", "_INBOX.A.>"):
         assert await ci.subscribe_refused(subject), subject
@@ -338,8 +338,8 @@ async def test_router_does_its_job(server: NatsServer, admin: NATS, conns: list[
     try:
         wq = WorkQueue(bus, ack_wait_s=30.0)
         await wq.setup()  # SS_QUEUE and SS_USAGE
-        lane = await wq.lane("A", 0)
-        ack = await bus.nc.jetstream().publish(Subjects.queue("A", 0), b"queued request")
+        lane = await wq.lane("A", 0, "m-1")
+        ack = await bus.nc.jetstream().publish(Subjects.queue("A", 0, "m-1"), b"queued request")
         assert ack.stream == Subjects.QUEUE_STREAM
         msgs = await lane.sub.fetch(1, timeout=5)
         await msgs[0].in_progress()
@@ -373,8 +373,8 @@ async def test_router_does_its_job(server: NatsServer, admin: NATS, conns: list[
 async def test_admin_may_do_everything(server: NatsServer, admin: NATS, conns: list[Conn]) -> None:
     a = await _as(server, conns, "admin")
     sub = await a.nc.subscribe(">")
-    await a.nc.publish("ss.q.A.p0", b"q")
-    assert (await sub.next_msg(timeout=2)).subject == "ss.q.A.p0"
+    await a.nc.publish("ss.q.A.m-1.p0", b"q")
+    assert (await sub.next_msg(timeout=2)).subject == "ss.q.A.m-1.p0"
     assert (await a.nc.jetstream().stream_info(Subjects.RESULTS_STREAM)).config.allow_direct
     assert await a.clean(), a.errors
 
@@ -386,7 +386,7 @@ async def test_admin_may_do_everything(server: NatsServer, admin: NATS, conns: l
     "$KV.SS_QUOTA.A", "$KV.SS_REQUESTS.r1", "$JS.API.INFO", "$JS.API.STREAM.NAMES",
     "$JS.API.STREAM.INFO.SS_USAGE", "$JS.API.CONSUMER.CREATE.SS_USAGE", "$JS.API.STREAM.MSG.GET.SS_RESULTS",
     "$JS.API.DIRECT.GET.SS_RESULTS.ss.result.B.r1", "$JS.API.DIRECT.GET.SS_USAGE.ss.evt.finished.A.r1",
-    "$JS.ACK.SS_QUEUE.x", "ss.q.A.p0", "ss.hb.decode.d0", "ss.kv.d0", "ss.kv.d0.held", "ss.evt.finished.A.r1",
+    "$JS.ACK.SS_QUEUE.x", "ss.q.A.m-1.p0", "ss.hb.decode.d0", "ss.kv.d0", "ss.kv.d0.held", "ss.evt.finished.A.r1",
     "ss.evt.bounced.A.r1", "ss.routed.router-0", "ss.fair.router-0", "ss.admin.queues", "ss.admin.route.explain",
     "ss.trace.spans.client", "ss.stream.A.r1", f"{service_inbox('router')}.x.y"])
 async def test_tenant_cannot_publish_on_system_subjects(subject: str, server: NatsServer, admin: NATS,

@@ -164,7 +164,7 @@ async def test_tenant_cannot_subscribe_to_what_is_not_its_own(subject: str, rout
     assert got == []
 
 
-@pytest.mark.parametrize("subject", ["ss.q.A.p0", "ss.admin.queues", "ss.decode.d0.job", "ss.prefill.p0.job",
+@pytest.mark.parametrize("subject", ["ss.q.A.m-1.p0", "ss.admin.queues", "ss.decode.d0.job", "ss.prefill.p0.job",
                                      "ss.kv.w0", "ss.hb.decode.d0", "ss.stream.A.r1", "ss.cancel.B",
                                      "$JS.API.STREAM.INFO.SS_RESULTS", "$JS.API.STREAM.MSG.GET.SS_RESULTS",
                                      "$JS.API.DIRECT.GET.SS_RESULTS", "$JS.API.INFO"])
@@ -247,8 +247,8 @@ async def test_operator_may_do_everything(cluster: Cluster, router: NATS) -> Non
     bus = await Bus.connect(cluster.srv.url, "svc", user=service_user("admin"), password=SECRETS["admin"])
     try:
         sub = await bus.nc.subscribe(">")
-        await bus.nc.publish("ss.q.A.p0", b"q")
-        assert (await sub.next_msg(timeout=2)).subject == "ss.q.A.p0"
+        await bus.nc.publish("ss.q.A.m-1.p0", b"q")
+        assert (await sub.next_msg(timeout=2)).subject == "ss.q.A.m-1.p0"
         info = await bus.nc.jetstream().stream_info(proto.Subjects.RESULTS_STREAM)
         assert info.config.allow_direct
         assert bus.denied == []

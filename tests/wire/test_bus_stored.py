@@ -18,7 +18,9 @@ import time
 
 import nats
 import pytest
+from nats.errors import NoRespondersError
 from nats.js.api import StreamConfig
+from nats.js.errors import ServiceUnavailableError
 
 from splitserve import proto
 from splitserve.natsserver import NatsCluster, NatsServer
@@ -136,7 +138,17 @@ async def test_a_terminal_whose_stream_has_no_leader_past_the_grace_is_still_sto
         assert not bus.unconfirmed, "not stored after the stream's nodes came back"
         nc = await nats.connect(servers=nats_cluster.urls)
         try:
-            raw = await nc.jetstream().get_last_msg(Subjects.RESULTS_STREAM, Subjects.result("acme", "r4"))
+            # The cluster just came back: a read may hear "JetStream temporarily unavailable" (503) or time out
+            # while the nodes catch up; the stored end is what counts, so read until it answers.
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    raw = await nc.jetstream().get_last_msg(Subjects.RESULTS_STREAM, Subjects.result("acme", "r4"))
+                    break
+                except (ServiceUnavailableError, nats.errors.TimeoutError, NoRespondersError):
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
             assert proto.decode_stream(raw.data or b"").request_id == "r4"
         finally:
             await nc.close()

@@ -94,10 +94,26 @@ def test_queue_lanes_are_named_by_the_contract() -> None:
     # the routers' work queue and `splitserve k8s` (lanes, KEDA's scaler) both name lanes from here
     assert [Subjects.priority_class(p) for p in (-1, 0, 3, 4, 7, 8, 9, 99)] == [0, 0, 0, 1, 1, 2, 2, 2]
     assert Subjects.QUEUE_CLASSES == 3
-    assert (Subjects.queue("acme", 1), Subjects.queue_consumer("acme", 1)) == ("ss.q.acme.p1", "dispatch_acme_p1")
+    assert (Subjects.queue("acme", 1, "m-1"), Subjects.queue_consumer("acme", 1, "m-1")) == (
+        "ss.q.acme.m-1.p1", "dispatch_acme_m-1_p1")
     for bad in ["a.b", "*", ">", "a b", ""]:
         with pytest.raises(ValueError):
-            Subjects.queue_consumer(bad, 0)
+            Subjects.queue_consumer(bad, 0, "m")
+        with pytest.raises(ValueError):
+            Subjects.queue("acme", 0, bad)
+    assert proto.subject_identity("ss.q.acme.m-1.p0") == ("acme", None)
+
+
+@pytest.mark.parametrize("name", ["SmolLM2-135M-Instruct.Q4_1", "org/model", "a", "x" * 256, "naïve/🙂", ".", "*>"])
+def test_a_model_pool_token_is_a_subject_token_and_tells_names_apart(name: str) -> None:
+    pool = proto.model_pool(name)
+    assert Subjects.queue("t", 0, pool).count(".") == 4  # one token: no dot, wildcard or space
+    assert pool == proto.model_pool(name)  # every router and `splitserve k8s lanes` agree
+    assert proto.model_pool(name + "x") != pool
+
+
+def test_model_names_differing_only_where_a_token_cannot_hold_them_get_lanes_of_their_own() -> None:
+    assert len({proto.model_pool(n) for n in ("a.b", "a_b", "a/b", "a b", "a*b")}) == 5
 
 
 def test_router_replica_messages_round_trip_and_subjects() -> None:
@@ -125,3 +141,9 @@ def test_router_replica_messages_round_trip_and_subjects() -> None:
     assert Subjects.routed("router-1") == "ss.routed.router-1" and Subjects.fair("router-1") == "ss.fair.router-1"
     with pytest.raises(ValueError):
         Subjects.routed("router.1")
+
+
+def test_one_served_model_has_the_single_pool_and_several_one_each() -> None:
+    assert proto.model_pools(["any/name"]) == [proto.SINGLE_POOL] == ["default"]  # renaming files moves no lane
+    assert proto.model_pools(["a", "b"]) == [proto.model_pool("a"), proto.model_pool("b")]
+    assert proto.model_pools([]) == []

@@ -1,0 +1,122 @@
+"""Two real models served at once by one stack (hf engine, ``up --config`` with a ``models:`` list): the bundled
+SmolLM2-135M-Instruct and a second model derived from it (:mod:`splitserve.engines.derive`), a prefiller and a
+decoder each. Every request's greedy tokens equal plain transformers' on that request's model, disaggregated and
+direct, and run only on its model's workers; the OpenAI API lists both models, refuses an unknown one (404,
+naming the served ones) and one the tenant's contract leaves out (403); the SDK raises the same errors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from splitserve import errors, proto
+from splitserve.client import Client
+from splitserve.stackproc import StackProc, start_stack, wait_ready
+from splitserve.tenancy import natsauth
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+DERIVED = REPO / ".models" / "smollm2-26l"  # where `make models` puts it (reused when there)
+BASE, SECOND = "smollm2", "smollm2/26l"  # (a name with '/': its queue lanes' token is derived, not the name)
+PW = {"A": "tenant-a-password", "B": "tenant-b-password"}
+# Long enough to cross the threshold (disaggregated on auto); the route is forced below anyway.
+LONG = ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall of "
+        "Constantinople. ") * 4 + "Summarise this in one sentence:"
+N = 12
+
+
+@pytest.fixture(scope="module")
+def derived() -> Path:
+    from splitserve.engines.derive import derive_model
+
+    return derive_model(DERIVED)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, derived: Path) -> Iterator[StackProc]:
+    tmp = Path(tmp_path_factory.mktemp("two-models"))
+    (tmp / "stack.yaml").write_text(
+        "engine: hf\ntransport: tcp\nfrontends: 1\ndisagg-threshold: 64\nmodels:\n"
+        f"  - {{name: {BASE}, prefill: 1, decode: 1}}\n"
+        f"  - {{name: {SECOND}, model: '{derived}', prefill: 1, decode: 1}}\n")
+    (tmp / "tenants.yaml").write_text(
+        f"tenants:\n  A:\n    password: {PW['A']}\n    api_keys: [sk-a-1]\n    models: [{BASE}]\n"
+        f"  B:\n    password: {PW['B']}\n    api_keys: [sk-b-1]\n")
+    sp = start_stack(tmp / "state", "--config", str(tmp / "stack.yaml"), "--tenants", str(tmp / "tenants.yaml"),
+                     timeout=600)
+    try:
+        yield sp
+    finally:
+        rc = sp.stop()
+        assert rc == 0, sp.output
+
+
+def _reference(ref: str | None, n: int) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy tokens) of plain transformers on that model's files (None: the bundled model)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from splitserve.engines.model_files import resolve_model
+    from splitserve.services.router.tokenize import PromptTokenizer
+
+    ids = PromptTokenizer(ref).token_ids(proto.GenerateRequest(request_id="x", tenant="t", prompt=LONG))
+    src = resolve_model(ref)
+    model = AutoModelForCausalLM.from_pretrained(str(src.directory), gguf_file=src.gguf_file, dtype=torch.float32)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+    return ids, out[0, len(ids):].tolist()
+
+
+async def test_up_lists_its_pools_and_each_worker_announces_its_model(stack: StackProc, derived: Path) -> None:
+    text = "\n".join(stack.output)
+    assert f"2 model(s): {BASE} (bundled): 1 prefill + 1 decode; {SECOND} ({derived}): 1 prefill + 1 decode" in text
+    user, password = natsauth.read_admin_credentials(stack.state_dir)  # a closed stack: the operator reads them
+    hbs = await wait_ready(stack.nats_url, ["prefill-0", "decode-0", "prefill-1", "decode-1"], timeout=60,
+                           user=user, password=password)
+    assert {w: hb.model for w, hb in hbs.items()} == {"prefill-0": BASE, "decode-0": BASE, "prefill-1": SECOND,
+                                                      "decode-1": SECOND}
+
+
+async def test_each_request_equals_transformers_on_its_own_model(stack: StackProc, derived: Path) -> None:
+    workers = {BASE: ("prefill-0", "decode-0"), SECOND: ("prefill-1", "decode-1")}  # numbered in config order
+    got: dict[str, list[int]] = {}
+    async with Client(stack.nats_url, user="B", password=PW["B"]) as c:
+        for model, ref in ((BASE, None), (SECOND, str(derived))):
+            ids, want = await asyncio.to_thread(_reference, ref, N)
+            for route in ("disaggregated", "direct"):
+                r = await c.complete(LONG, model=model, route=route, max_tokens=N)
+                assert r.route == route and r.usage.prompt_tokens == len(ids)
+                assert r.token_ids == want[: len(r.token_ids)] and len(r.token_ids) > 2, (model, route)
+                assert r.decode_worker == workers[model][1]
+                assert r.prefill_worker == (workers[model][0] if route == "disaggregated" else None)
+            got[model] = want
+    assert got[BASE] != got[SECOND]  # two different models, not one under two names
+
+
+async def test_the_api_lists_both_and_refuses_unknown_and_forbidden_models(stack: StackProc) -> None:
+    async with httpx2.AsyncClient(base_url=stack.http_url, timeout=300) as http:
+        b, a = {"Authorization": "Bearer sk-b-1"}, {"Authorization": "Bearer sk-a-1"}
+        listed = (await http.get("/v1/models", headers=b)).json()["data"]
+        assert {m["id"] for m in listed} == {BASE, SECOND} and all(m["max_model_len"] for m in listed)
+        body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8,
+                "temperature": 0}
+        ok = await http.post("/v1/chat/completions", headers=b, json={**body, "model": SECOND})
+        assert ok.status_code == 200 and ok.json()["model"] == SECOND
+        unknown = await http.post("/v1/chat/completions", headers=b, json={**body, "model": "gpt-nope"})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+        assert BASE in unknown.json()["error"]["message"] and SECOND in unknown.json()["error"]["message"]
+        forbidden = await http.post("/v1/chat/completions", headers=a, json={**body, "model": SECOND, "stream": True})
+        assert forbidden.status_code == 403 and forbidden.json()["error"]["code"] == "model_not_allowed"
+        mine = await http.post("/v1/chat/completions", headers=a, json={**body, "model": BASE})
+        assert mine.status_code == 200
+    async with Client(stack.nats_url, user="A", password=PW["A"]) as c:
+        with pytest.raises(errors.ModelNotAllowed, match=SECOND):
+            await c.complete("hello", model=SECOND, max_tokens=2)
+        with pytest.raises(errors.ModelNotFound, match=BASE):
+            await c.complete("hello", model="gpt-nope", max_tokens=2)
+        assert (await c.complete("hello", max_tokens=2)).decode_worker == "decode-0"  # none named: the default

@@ -1,0 +1,148 @@
+"""A router serving several models (``--model NAME=PATH``, repeatable): a request is routed only among its
+model's workers (prefill and decode), its prefix-cache lookups never hit another model's blocks, each model's
+free decode slots are its own, and intake refuses an unknown model (naming the served ones) and a model the
+tenant's contract leaves out. With one model, nothing changes: every worker is its worker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from opentelemetry import trace
+
+from splitserve import proto
+from splitserve.cache import batch, hash_token_blocks, stored
+from splitserve.services.router.models import ModelTable, parse_model_arg
+from splitserve.services.router.service import RouterService
+from tests.recording_bus import RecordingBus
+
+BS = 16
+TOKENS = list(range(1000, 1000 + 40 * BS))
+WORKERS = (("da", "decode", "alpha"), ("db", "decode", "beta"), ("dx", "decode", "gamma"),
+           ("pa", "prefill", "alpha"), ("pb", "prefill", "beta"))
+
+
+async def _router(tmp_path: Path, models: list[str] | None = None, tenants: str | None = None,
+                  **kw: object) -> tuple[RouterService, RecordingBus]:
+    tf = None
+    if tenants is not None:
+        tf = tmp_path / "tenants.yaml"
+        tf.write_text(tenants)
+    svc = RouterService("router-m", "nats://127.0.0.1:1", model=models or ["alpha=bundled", "beta=bundled"],
+                        strategy="kvaware", disagg_threshold=10_000, max_stall_ms=None, queue=False,
+                        tenants_file=str(tf) if tf else None, no_worker_wait_s=0.1, **kw)  # type: ignore[arg-type]
+    if tenants is not None:
+        svc.models.load_tokenizers()  # (for intake; before the workers are heard: it takes seconds)
+    svc.make_policy()
+    svc.wq = SimpleNamespace(pending_by_tenant=lambda pool=None: {})  # type: ignore[assignment]  # (--no-queue)
+    bus = RecordingBus()
+    svc.bus = bus  # type: ignore[assignment]
+    for wid, role, model in WORKERS:
+        await svc.on_heartbeat(proto.Heartbeat(
+            worker_id=wid, role=role, seq=0, pid=1, interval_ms=1000, model=model, max_model_len=2048,
+            load=proto.WorkerLoad(free_blocks=1000, total_blocks=1000, max_seqs=4)), None)  # type: ignore[arg-type]
+    return svc, bus
+
+
+def _req(rid: str, model: str | None, tenant: str = "A", route: str = "auto") -> proto.GenerateRequest:
+    return proto.GenerateRequest(request_id=rid, tenant=tenant, prompt_token_ids=TOKENS, model=model, route=route,
+                                 sampling=proto.SamplingParams(max_tokens=4),
+                                 stream_subject=proto.Subjects.stream(tenant, rid))
+
+
+async def _route(svc: RouterService, bus: RecordingBus, req: proto.GenerateRequest) -> list[object]:
+    before = len(bus.published)
+    assert await svc._route(req, list(TOKENS), None, trace.INVALID_SPAN) is not None
+    return [m for _, m in bus.published[before:] if isinstance(m, (proto.PrefillJob, proto.DecodeJob))]
+
+
+async def test_a_request_goes_only_to_its_models_workers(tmp_path: Path) -> None:
+    svc, bus = await _router(tmp_path)
+    for i in range(6):  # round after round: the other model's decoder (and an unserved model's) never
+        for model, decoder in (("alpha", "da"), ("beta", "db")):
+            (job,) = await _route(svc, bus, _req(f"r{model}{i}", model))
+            assert isinstance(job, proto.DecodeJob) and job.decoder_id == decoder
+    for model, prefiller, decoder in (("alpha", "pa", "da"), ("beta", "pb", "db")):
+        before = len(bus.published)
+        (job,) = await _route(svc, bus, _req(f"d{model}", model, route="disaggregated"))
+        assert isinstance(job, proto.PrefillJob)  # the prefiller and the KV's decoder serve the same model
+        subject = next(s for s, m in bus.published[before:] if m is job)
+        assert (subject, job.decode.decoder_id) == (proto.Subjects.prefill_job(prefiller), decoder)
+
+
+async def test_no_cache_hit_across_models(tmp_path: Path) -> None:
+    svc, bus = await _router(tmp_path)
+    salts = {m: svc._cache_salt(_req("x", m)) for m in ("alpha", "beta")}
+    assert salts["alpha"] != salts["beta"] and all(s.startswith("t:A|m:") for s in salts.values())
+    ev = batch("da", 0, ts_ms=0.0, events=[stored(hash_token_blocks(TOKENS, BS, cache_salt=salts["alpha"]),
+                                                 block_size=BS)])
+    await svc.on_kv_events(proto.decode(proto.encode(ev), proto.KvEventBatch), None)  # type: ignore[arg-type]
+    (a,) = await _route(svc, bus, _req("ra", "alpha"))
+    (b,) = await _route(svc, bus, _req("rb", "beta"))
+    assert isinstance(a, proto.DecodeJob) and isinstance(b, proto.DecodeJob)
+    assert a.cache_salt == salts["alpha"] and a.decision["cached_tokens"] > 0
+    assert b.cache_salt == salts["beta"] and b.decision["cached_tokens"] == 0
+
+
+async def test_each_model_has_its_own_free_slots(tmp_path: Path) -> None:
+    svc, bus = await _router(tmp_path)
+    now = svc.clock()
+    alpha, beta = svc.free_slots(now, "alpha"), svc.free_slots(now, "beta")
+    assert alpha == beta > 0 and svc.free_slots(now, "gamma") == 0
+    for i in range(alpha):
+        await _route(svc, bus, _req(f"r{i}", "alpha"))
+    assert svc.free_slots(now, "alpha") == 0 and svc.free_slots(now, "beta") == beta  # alpha full, beta not
+
+
+class _Msg(SimpleNamespace):
+    reply = ""
+    headers = None
+
+
+async def _intake(svc: RouterService, bus: RecordingBus, req: proto.GenerateRequest) -> list[object]:
+    before = len(bus.published)
+    await svc._intake(req, _Msg(), trace.INVALID_SPAN)  # type: ignore[arg-type]
+    return [m for _, m in bus.published[before:] if not isinstance(m, proto.Accepted)]
+
+
+async def test_intake_refuses_an_unknown_model_and_one_the_tenant_may_not_use(tmp_path: Path) -> None:
+    svc, bus = await _router(tmp_path, tenants="tenants:\n  A:\n    models: [alpha]\n  B: {}\n")
+    (err,) = await _intake(svc, bus, _req("r1", "nope"))
+    assert isinstance(err, proto.StreamError) and err.code == proto.ErrorCode.MODEL_NOT_FOUND
+    assert "alpha" in err.message and "beta" in err.message and not err.retryable
+    (err,) = await _intake(svc, bus, _req("r2", "beta"))
+    assert isinstance(err, proto.StreamError) and err.code == proto.ErrorCode.MODEL_NOT_ALLOWED
+    (job,) = await _intake(svc, bus, _req("r3", "alpha"))  # allowed: routed to alpha's decoder
+    assert isinstance(job, proto.DecodeJob) and job.decoder_id == "da"
+    (job,) = await _intake(svc, bus, _req("r4", "beta", tenant="B"))  # no models list: every model
+    assert isinstance(job, proto.DecodeJob) and job.decoder_id == "db"
+    (job,) = await _intake(svc, bus, _req("r5", None, tenant="B"))  # none named: the first, the default
+    assert isinstance(job, proto.DecodeJob) and job.decoder_id == "da"
+
+
+async def test_one_model_takes_every_worker_and_any_name(tmp_path: Path) -> None:
+    svc, bus = await _router(tmp_path, models=["bundled"])
+    assert svc.models.single and svc.models.default.name == ModelTable().default.name
+    seen = set()
+    for i in range(6):
+        for job in await _route(svc, bus, _req(f"r{i}", "whatever-the-caller-says")):
+            assert isinstance(job, proto.DecodeJob)
+            seen.add(job.decoder_id)
+    assert seen == {"da", "db", "dx"}
+    assert svc._cache_salt(_req("x", None)) == "t:A"  # the salts of a single-model router are as before
+
+
+@pytest.mark.parametrize(("arg", "want"), [
+    (None, (None, None)), ("bundled", (None, None)), ("/m/x", (None, "/m/x")), ("org/m", (None, "org/m")),
+    ("a=bundled", ("a", None)), ("chat=/models/x", ("chat", "/models/x")), ("n=org/m", ("n", "org/m")),
+])
+def test_model_arguments(arg: str | None, want: tuple[str | None, str | None]) -> None:
+    assert parse_model_arg(arg) == want
+
+
+def test_model_names_are_unique() -> None:
+    with pytest.raises(ValueError, match="unique"):
+        ModelTable(["a=bundled", "a=bundled"])
+    with pytest.raises(ValueError, match="empty"):
+        parse_model_arg("=bundled")
