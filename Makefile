@@ -71,6 +71,8 @@ bench: setup
 # `- {name: smollm2-26l, model: .models/smollm2-26l, prefill: 0, decode: 1}`.
 models: setup
 	$(VENV)/bin/splitserve models derive .models/smollm2-26l --keep-layers 26 --drop-from 14
+	$(VENV)/bin/splitserve models adapter .models/lora-a --seed 1
+	$(VENV)/bin/splitserve models adapter .models/lora-b --seed 2
 
 # splitserve beside vllm-router and sglang-router on the same zero-cost workers, one run (bench/peers.py); the
 # peers go into a venv of their own (pinned), never into .venv. ARGS: e.g. ARGS="--requests 4000 --json".

@@ -220,9 +220,12 @@ class GenerateRequest(Message, TenantRequest):
     # False: no deltas, only the terminal message (non-streaming callers and async jobs, whose stream subject
     # is their result subject).
     stream: bool = True
-    # The served model (or pool) the caller asks for; None: the router's default (its first). A router serving
-    # several models routes only to that model's workers and refuses a name it does not serve.
+    # The served model (or pool) the caller asks for, or a LoRA adapter's name (as vLLM's API takes it); None: the
+    # router's default (its first). A router serving several models routes only to that model's workers and
+    # refuses a name it does not serve.
     model: str | None = Field(default=None, max_length=256)
+    # The LoRA adapter: set by the router when ``model`` names one (``model`` is then its base model's name).
+    lora: str | None = Field(default=None, max_length=256)
     # The caller's own prefix-cache salt (OpenAI / vLLM ``cache_salt``; added in v1 with a default). It only
     # splits the tenant's cache further: the router combines it with the tenant's (or its cache group's) salt,
     # so it can never reach another tenant's cached prefixes (``TenantsConfig.cache_salt``).
@@ -294,6 +297,9 @@ class DecodeJob(Message, TenantRequest):
     # (tenant or cache group, refined by the request's own salt). Added in v1 with a default: None (a job from
     # an older router) keeps the unsalted keys.
     cache_salt: str | None = Field(default=None, max_length=200)
+    # The LoRA adapter the prompt and the tokens are computed with (None: the base model); the prefiller applies
+    # the same one. Added in v1 with a default.
+    lora: str | None = Field(default=None, max_length=256)
 
     @model_validator(mode="after")
     def _own_subject(self) -> DecodeJob:
@@ -549,6 +555,8 @@ class Heartbeat(Message):
     active_requests: list[str] = Field(default_factory=list)
     # A decoder's context pool: "long" decoders take the long prompts (splitserve.routing.context)
     pool: Literal["general", "long"] = "general"
+    # The LoRA adapters loaded on this worker (requests naming one go only where it is loaded)
+    adapters: list[str] = Field(default_factory=list, max_length=1024)
 
 
 # ---------------------------------------------------------------------------------------------- KV events

@@ -90,9 +90,25 @@ def _load_up_config(ctx: typer.Context, param: Any, value: Path | None) -> Path 
 
 
 # A config's `models:` list: one pool of workers per served model (splitserve.stack.ModelPool).
-MODEL_POOL_KEYS = ("name", "model", "prefill", "decode")
+MODEL_POOL_KEYS = ("name", "model", "prefill", "decode", "lora_modules")
 # Settings a later slice may make per model; until then they are the whole stack's (top-level keys).
 STACK_WIDE_KEYS = ("strategy", "disagg_threshold")
+
+
+def _lora_pairs(value: Any, where: str) -> tuple[tuple[str, str], ...]:
+    """LoRA adapters as a config gives them: a mapping NAME: PATH, or a list of NAME=PATH (or [NAME, PATH])."""
+    from splitserve.engines.model_files import parse_lora_modules
+
+    if isinstance(value, dict):
+        items = [f"{k}={v}" for k, v in value.items()]
+    elif isinstance(value, list):
+        items = ["=".join(map(str, x)) if isinstance(x, list) else str(x) for x in value]
+    else:
+        raise ValueError(f"{where}: lora_modules must be a mapping of NAME: PATH")
+    try:
+        return parse_lora_modules(items)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def _model_pools(data: Any) -> list[Any]:
@@ -120,6 +136,8 @@ def _model_pools(data: Any) -> list[Any]:
             raise ValueError(f"models[{i}]: name must be a string (quote it), not {fields['name']!r}")
         if fields.get("model") is not None and not isinstance(fields["model"], str):
             raise ValueError(f"models[{i}] ({fields['name']}): model must be a path string, not {fields['model']!r}")
+        if "lora_modules" in fields:
+            fields["lora_modules"] = _lora_pairs(fields["lora_modules"], f"models[{i}] ({fields['name']})")
         pool = ModelPool(**fields)
         try:
             pool.check()
@@ -215,6 +233,9 @@ def up(
                                      help="--engine vllm: KV connector between the pools: nixl | lmcache (GPU)"),
     kv_backend: str = typer.Option("UCX", "--kv-backend", envvar="SPLITSERVE_KV_BACKEND",
                                    help="--engine vllm: NIXL backend: UCX | LIBFABRIC (AWS EFA)"),
+    lora_modules: list[str] = typer.Option([], "--lora-modules", help="a LoRA adapter every worker loads, "
+                                           "NAME=PATH (a PEFT folder; repeatable); requests whose model is NAME "
+                                           "run with it (a config's models: list gives each pool its own)"),
     tenants: Path | None = typer.Option(None, "--tenants", exists=True, dir_okay=False,
                                         help="tenants file: one NATS user per tenant and per service, each tenant "
                                              "confined to its own subjects (see README)"),
@@ -230,11 +251,15 @@ def up(
             pools = _model_pools(json.loads(models_json))
         except ValueError as exc:  # json.JSONDecodeError included
             raise typer.BadParameter(str(exc), param_hint="models (--config)") from None
+    try:
+        loras = _lora_pairs(list(lora_modules), "--lora-modules")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--lora-modules") from None
     if colocated:
         prefill = 0
     if pools:
         # (by name: typer brings its own copy of click's ParameterSource)
-        given = [f"--{n}" for n in ("model", "prefill", "decode")
+        given = [f"--{n.replace('_', '-')}" for n in ("model", "prefill", "decode", "lora_modules")
                  if getattr(ctx.get_parameter_source(n), "name", None) in ("COMMANDLINE", "ENVIRONMENT")]
         if given:
             typer.echo(f"splitserve: the config's models: list sets the worker pools; {', '.join(given)} ignored")
@@ -255,7 +280,8 @@ def up(
                       long_prompt_tokens=long_prompt_tokens,
                       http_port=http_port, frontends=frontends, http_host=host, log_level=log_level,
                       kv_connector=kv_connector,
-                      kv_backend=kv_backend, tenants_file=tenants.resolve() if tenants else None, models=pools)
+                      kv_backend=kv_backend, tenants_file=tenants.resolve() if tenants else None, models=pools,
+                      lora_modules=loras)
     if tenants is not None:
         from splitserve.tenancy.config import load_tenants
 
@@ -685,6 +711,28 @@ def models_derive(
         typer.echo(f"splitserve models derive: {exc}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"{path}: {keep_layers} layers of the bundled model's (serve it with --model {out})")
+
+
+@models_app.command("adapter")
+def models_adapter(
+    out: Path = typer.Argument(..., help="folder to write the adapter to (e.g. .models/lora-a)"),
+    seed: int = typer.Option(..., "--seed", help="its weights' seed (different seeds: different adapters)"),
+    rank: int = typer.Option(8, "--rank", min=1),
+    alpha: int = typer.Option(8, "--alpha", min=1),
+) -> None:
+    """Make a real PEFT LoRA adapter for the bundled SmolLM2 (seeded weights on q_proj and v_proj; needs peft,
+    in the dev extra), to serve with --lora-modules NAME=OUT. Does nothing if OUT holds that adapter already."""
+    try:
+        from splitserve.engines.lora import make_test_adapter
+
+        path = make_test_adapter(out, seed=seed, r=rank, alpha=alpha)
+    except ImportError as exc:
+        typer.echo(f"splitserve models adapter: {exc} (pip install peft)", err=True)
+        raise typer.Exit(1) from None
+    except (ValueError, OSError) as exc:
+        typer.echo(f"splitserve models adapter: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{path}: a LoRA adapter (seed {seed}); serve it with --lora-modules NAME={out}")
 
 
 @app.command("trace")

@@ -499,7 +499,10 @@ class Client:
         deadline = time.monotonic() + self.accept_timeout
         busy_until = time.monotonic() + self.busy_retry_s
         no_router_since: float | None = None
+        attempts = 0
         while True:
+            attempts += 1
+            resent = attempts > 1  # an earlier attempt of this call may have been taken (its answer lost)
             remaining = deadline - time.monotonic()
             reconnected = bus.next_reconnect()
             attempt = asyncio.ensure_future(bus.request(subject, req, Accepted,
@@ -552,6 +555,12 @@ class Client:
                                          request_id=req.request_id) from None
             self._router_seen = True
             if isinstance(reply, StreamError):
+                if (resent and reply.code is ErrorCode.BAD_REQUEST and "already ended" in reply.message
+                        and reply.request_id == req.request_id):
+                    # An earlier attempt of this very call was accepted (its answer lost), and the request ran
+                    # to its end since: it is accepted. Its messages went to the stream subscribed before the
+                    # send (or its stored end is fetched, as after any gap); a submitted job's result is stored.
+                    return Accepted(request_id=req.request_id, router_id="", prompt_tokens=0)
                 if reply.code is ErrorCode.BUSY and reply.retryable:
                     now = time.monotonic()
                     wait = max(0.05, (reply.retry_after_ms or 500.0) / 1000)

@@ -54,6 +54,8 @@ class ModelPool:
     model: str | None = None
     prefill: int = 1
     decode: int = 1
+    # LoRA adapters its workers load at start: (name, PEFT folder) each (``--lora-modules NAME=PATH``)
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def check(self) -> None:
         """ValueError naming what is wrong with this pool."""
@@ -71,6 +73,9 @@ class ModelPool:
             raise ValueError(f"model {self.name!r}: prefill must be a whole number >= 0, not {self.prefill!r}")
         if isinstance(self.decode, bool) or not isinstance(self.decode, int) or self.decode < 1:
             raise ValueError(f"model {self.name!r}: decode must be a whole number >= 1, not {self.decode!r}")
+        names = [n for n, _ in self.lora_modules]
+        if len(set(names)) != len(names) or self.name in names:
+            raise ValueError(f"model {self.name!r}: LoRA adapter names must be unique and not the model's name")
 
 
 def check_pools(pools: list[ModelPool]) -> None:
@@ -80,9 +85,10 @@ def check_pools(pools: list[ModelPool]) -> None:
     seen: set[str] = set()
     for pool in pools:
         pool.check()
-        if pool.name in seen:
-            raise ValueError(f"model name {pool.name!r} is listed twice (names must be unique)")
-        seen.add(pool.name)
+        for name in (pool.name, *(n for n, _ in pool.lora_modules)):
+            if name in seen:  # a request names a model or an adapter by one name: it must say which
+                raise ValueError(f"model or adapter name {name!r} is listed twice (names must be unique)")
+            seen.add(name)
 
 
 @dataclass
@@ -131,6 +137,8 @@ class StackConfig:
     # Given: ``model`` is unused, and ``prefill``/``decode`` become the pools' totals (the cores are shared
     # between all pools' workers of a role, as within one pool).
     models: list[ModelPool] = field(default_factory=list)
+    # The one pool's LoRA adapters (up --lora-modules; with ``models`` each pool has its own)
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -144,7 +152,7 @@ class StackConfig:
     def worker_pools(self) -> list[ModelPool]:
         """Every pool of workers: the configured models, else the one pool of the flags (named "": it passes no
         --served-model-name)."""
-        return list(self.models) or [ModelPool("", self.model, self.prefill, self.decode)]
+        return list(self.models) or [ModelPool("", self.model, self.prefill, self.decode, self.lora_modules)]
 
     def router_models(self) -> list[str]:
         """The routers' --model values: ``NAME=PATH`` per pool in order (PATH ``bundled`` for the bundled
@@ -220,7 +228,8 @@ class Stack:
 
         def model_args(pool: ModelPool) -> list[str]:
             return [*(["--model", pool.model] if pool.model else []),
-                    *(["--served-model-name", pool.name] if pool.name else [])]
+                    *(["--served-model-name", pool.name] if pool.name else []),
+                    *(a for name, path in pool.lora_modules for a in ("--lora-modules", f"{name}={path}"))]
 
         def worker_args(role: str, i: int, pool: ModelPool) -> list[str]:
             n, cores = counts[role], pools.get(role)

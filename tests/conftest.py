@@ -67,6 +67,7 @@ HEAVY_FIRST = (  # longest first (wall seconds of each file in a CI run of the s
     "tests/integration/test_nats_cluster.py",  # 124
     "tests/e2e/test_stack.py",  # 119
     "tests/integration/test_rolling_restart.py",  # 92
+    "tests/e2e/test_two_models.py",  # 94 alone
     "tests/engines/test_hf_real.py",  # 91
     "tests/integration/test_chaos.py",  # 84
     "tests/e2e/test_interference.py",  # 83
@@ -74,7 +75,6 @@ HEAVY_FIRST = (  # longest first (wall seconds of each file in a CI run of the s
     "tests/integration/test_soak.py",  # 80
     "tests/deploy/test_k8s_local.py",  # 78
     "tests/e2e/test_ecosystem_stack.py",  # 63
-    "tests/e2e/test_two_models.py",  # 64 alone
     "tests/frontend/test_frontdoor_restart.py",  # 60
     "tests/sched/test_routers.py",  # 58
     "tests/tracing/test_e2e_trace.py",  # 54

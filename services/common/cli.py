@@ -11,6 +11,8 @@ Model = typer.Option(None, help="model path (default: the bundled SmolLM2-135M-I
 Dtype = typer.Option("float32")
 ServedModelName = typer.Option(None, help="the name this worker serves its model under (its heartbeats' model, "
                                "which routers match requests' model against; default: the engine's model name)")
+LoraModules = typer.Option([], "--lora-modules", help="a LoRA adapter to load at start, NAME=PATH (a PEFT "
+                           "folder; repeatable): requests whose model is NAME run with it (hf engine)")
 Threads = typer.Option(None, help="torch intra-op threads")
 BlockSize = typer.Option(16, help="KV block size in tokens")
 Transport = typer.Option("nixl", help="KV transport: nixl | tcp")

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.cpus import parse_cpus
+from splitserve.engines.model_files import parse_lora_modules
 
-__all__ = ["EngineOptions", "parse_cpus"]
+__all__ = ["EngineOptions", "parse_cpus", "parse_lora_modules"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class EngineOptions:
     # The name the worker serves its model under (heartbeats' ``model``, which routers match a request's model
     # against; final messages; traces). None: the engine's own name (``engine.info.name``).
     served_model_name: str | None = None
+    # LoRA adapters loaded at start, (name, path) each (``--lora-modules NAME=PATH``, as vLLM spells it)
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def model_name(self, engine_name: str) -> str:
         """The served model's name: ``served_model_name`` when set, else the engine's own name."""
@@ -45,4 +48,8 @@ class EngineOptions:
         from splitserve.engines import load_engine
 
         self.apply_threads()
-        return load_engine(self.engine, model=self.model, dtype=self.dtype)
+        engine = load_engine(self.engine, model=self.model, dtype=self.dtype)
+        for name, path in self.lora_modules:
+            engine.load_lora(name, path)
+        return engine
+

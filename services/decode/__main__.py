@@ -6,9 +6,16 @@ import typer
 
 from splitserve.runtime.service import run_service
 from splitserve.services.common import cli
-from splitserve.services.common.options import EngineOptions, parse_cpus
+from splitserve.services.common.options import EngineOptions, parse_cpus, parse_lora_modules
 
 app = typer.Typer(add_completion=False)
+
+
+def _loras(values: list[str]) -> tuple[tuple[str, str], ...]:
+    try:
+        return parse_lora_modules(values)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--lora-modules") from None
 
 
 @app.command()
@@ -18,6 +25,7 @@ def main(
     engine: str = cli.Engine,
     model: str | None = cli.Model,
     served_model_name: str | None = cli.ServedModelName,
+    lora_modules: list[str] = cli.LoraModules,
     dtype: str = cli.Dtype,
     threads: int | None = cli.Threads,
     block_size: int = cli.BlockSize,
@@ -55,7 +63,8 @@ def main(
         raise typer.BadParameter(f"must be one of {', '.join(POOLS)}", param_hint="--pool")
 
     opts = EngineOptions(engine=engine, model=model, dtype=dtype, threads=threads, block_size=block_size,
-                         transport=transport, cpus=parse_cpus(cpus), served_model_name=served_model_name)
+                         transport=transport, cpus=parse_cpus(cpus), served_model_name=served_model_name,
+                         lora_modules=_loras(lora_modules))
     if engine == "vllm":
         from splitserve.services.common.vllm_worker import VllmOptions
         from splitserve.services.decode.vllm_service import VllmDecodeService

@@ -273,7 +273,7 @@ class DecodeService(Service):
             return {"engine": self.opts.engine, "transport": self.opts.transport, "pool": self.pool_name}
         return {"engine": self.opts.engine, "model": self.model_name,
                 "max_model_len": self.engine.info.max_model_len, "transport": self.opts.transport,
-                "block_size": self.opts.block_size, "pool": self.pool_name}
+                "block_size": self.opts.block_size, "pool": self.pool_name, "adapters": self.engine.loras()}
 
     # --- inputs ---------------------------------------------------------------------------------------
     def _is_revoked(self, job: DecodeJob) -> bool:
@@ -504,7 +504,7 @@ class DecodeService(Service):
             if kv is None:
                 t0 = time.perf_counter()
                 try:
-                    res = await self._local_prefill(context, sampling, job.cache_salt)
+                    res = await self._local_prefill(context, sampling, job.cache_salt, job.lora)
                 except PromptTooLong as exc:
                     await self._error(job, ErrorCode.PROMPT_TOO_LONG, str(exc))
                     return
@@ -513,7 +513,7 @@ class DecodeService(Service):
                 first_lp = self._wire_lp(res.first_logprobs)
                 adm.cached_tokens = max(0, len(job.prompt_token_ids) - res.num_computed_tokens)
             assert first is not None
-            await self.thread.run(self.engine.add_sequence, job.key, kv, first, sampling)
+            await self.thread.run(self.engine.add_sequence, job.key, kv, first, sampling, lora=job.lora)
             tracing.set_attrs(asp, cached_tokens=adm.cached_tokens,
                               prefill_ms=None if prefill_ms is None else round(prefill_ms, 2),
                               local_prefill=adm.kv is None, transfer_ms=adm.transfer_ms,
@@ -558,7 +558,8 @@ class DecodeService(Service):
             return
         await self._emit(seq, first, first_lp)
 
-    async def _local_prefill(self, ids: list[int], sampling: Sampling, cache_salt: str | None = None) -> PrefillResult:
+    async def _local_prefill(self, ids: list[int], sampling: Sampling, cache_salt: str | None = None,
+                             lora: str | None = None) -> PrefillResult:
         """Prefill on this decoder, reusing the longest cached prefix. While other streams are active, a
         long prompt is computed in chunks with one decode step between chunks, so no stream waits more
         than one chunk (the router's stall rule sends prompts that would stall too long to a prefiller).
@@ -574,7 +575,7 @@ class DecodeService(Service):
             chunked = bool(self.active) and self.prefill_chunk > 0
             end = min(len(ids), pos + self.prefill_chunk) if chunked else len(ids)
             t0 = time.perf_counter()
-            res = await self.thread.run(self.engine.prefill, ids[:end], sampling, past_kv=past)
+            res = await self.thread.run(self.engine.prefill, ids[:end], sampling, past_kv=past, lora=lora)
             compute_s += time.perf_counter() - t0
             chunks += 1
             if end >= len(ids):

@@ -93,7 +93,9 @@ class Backend(Protocol):
 
     ``served_models`` is the set of models known to be served (empty when none is known, e.g. no decoder heard
     yet): the only names a request is refused against with 404. A backend without it is taken as serving one
-    model: ``served_model_name`` (optional too; else ``model_name``) with ``max_model_len``."""
+    model: ``served_model_name`` (optional too; else ``model_name``) with ``max_model_len``. Optional too:
+    ``served_adapters``, the LoRA adapters loaded on live decoders -> their base model's name (requests may
+    name them; ``/v1/models`` lists them with their ``parent``)."""
 
     @property
     def served_models(self) -> dict[str, int | None]:
@@ -769,9 +771,15 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None, docs
         name: str | None = getattr(backend, "served_model_name", backend.model_name)  # a one-model backend
         return {name: backend.max_model_len} if name else {}
 
+    def served_adapters() -> dict[str, str]:
+        """The LoRA adapters loaded on live decoders -> their base model (see Backend); empty: none."""
+        adapters: dict[str, str] | None = getattr(backend, "served_adapters", None)
+        return adapters or {}
+
     def not_found(model: str, served: dict[str, int | None]) -> oa.ApiError:
         # With one model served the message is OpenAI's own; with several it lists them (as the router does).
-        return oa.model_not_found(model, list(served) if len(served) > 1 else None)
+        names = list(served) + list(served_adapters())
+        return oa.model_not_found(model, names if len(names) > 1 else None)
 
     def choose_model(requested: str | None) -> tuple[str, str | None, int | None]:
         """(the name answered with, the name the request travels with, that model's max_model_len) for the
@@ -780,9 +788,12 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None, docs
         served = served_models()
         if served:
             if requested:
-                if requested not in served:
+                if requested in served:
+                    return requested, requested, served[requested]
+                parent = served_adapters().get(requested)
+                if parent is None:
                     raise not_found(requested, served)
-                return requested, requested, served[requested]
+                return requested, requested, served.get(parent)  # an adapter: the router resolves its base
             first = next(iter(served))
             return first, first, served[first]
         # Not known (no decoder heard): the request goes on as asked (none named: the router's default), and the
@@ -859,25 +870,33 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None, docs
         model, route_model, _ = choose_model(body.model)
         return await serve(request, oa.completion_args(body), tenant=tenant, model=model, route_model=route_model)
 
-    def model_card(name: str, max_model_len: int | None) -> dict[str, Any]:
-        # max_model_len as vLLM's server reports it (clients size prompts by it); null until a decoder announced
+    def model_card(name: str, max_model_len: int | None, parent: str | None = None) -> dict[str, Any]:
+        # max_model_len as vLLM's server reports it (clients size prompts by it); null until a decoder announced.
+        # An adapter's card names its base model as ``parent``, as vLLM's does (``root`` is its name here: the
+        # adapter's path on the workers is not the tenants' business).
         return {"id": name, "object": "model", "created": started, "owned_by": "splitserve", "root": name,
-                "parent": None, "max_model_len": max_model_len}
+                "parent": parent, "max_model_len": max_model_len}
 
     @app.get("/v1/models")
     async def models(_: str = Depends(tenant_of)) -> dict[str, Any]:
         served = served_models()
         if not served and backend.model_name:  # none known to be served: the name the router announces
             served = {backend.model_name: backend.max_model_len}
-        return {"object": "list", "data": [model_card(name, max_len) for name, max_len in served.items()]}
+        cards = [model_card(name, max_len) for name, max_len in served.items()]
+        cards += [model_card(name, served.get(parent), parent) for name, parent in sorted(served_adapters().items())
+                  if name not in served]
+        return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, _: str = Depends(tenant_of)) -> dict[str, Any]:
         served = served_models()
         if served:
-            if model_id not in served:
+            if model_id in served:
+                return model_card(model_id, served[model_id])
+            parent = served_adapters().get(model_id)
+            if parent is None:
                 raise not_found(model_id, served)
-            return model_card(model_id, served[model_id])
+            return model_card(model_id, served.get(parent), parent)
         if model_id != backend.model_name:
             # Whether it is served is not known yet (no decoder heard): say so, retryably, never a wrong 404.
             raise oa.ApiError(503, "No decode worker has announced the model it serves yet; retry shortly.",

@@ -284,6 +284,16 @@ class FrontendService(Service):
         return {self._model_name: own}
 
     @property
+    def served_adapters(self) -> dict[str, str]:
+        """The LoRA adapters live decoders have loaded -> their base model's served name, sorted by name."""
+        out: dict[str, str] = {}
+        for hb in self.registry.live("decode", time.monotonic()):
+            if hb.model:
+                for a in hb.adapters:
+                    out.setdefault(a, hb.model)
+        return dict(sorted(out.items()))
+
+    @property
     def model_name(self) -> str | None:
         """The (first) served model's name; before a decoder is heard, the name the router announces."""
         served = self.served_models

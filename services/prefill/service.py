@@ -81,7 +81,7 @@ GATHER_WAIT_S = 0.1
 BATCH_RECOMPUTE_TOKENS = 64
 
 # One prompt of a batch: its token ids, sampling, and the cache salt its job carries (scopes its prefix reuse).
-BatchItem = tuple[list[int], Sampling, str | None]
+BatchItem = tuple[list[int], Sampling, str | None, str | None]  # ids, sampling, cache salt, LoRA adapter
 BatchRunner = Callable[[list[BatchItem]], Awaitable[list["PrefillResult | BaseException"]]]
 
 
@@ -108,13 +108,13 @@ class PrefillGather:
             self._all_in.set()
 
     async def prefill(self, key: str, ids: list[int], sampling: Sampling,
-                      cache_salt: str | None = None) -> PrefillResult:
+                      cache_salt: str | None = None, lora: str | None = None) -> PrefillResult:
         if self.closed:  # too late for the batch
             self.waiting.discard(key)
             self.batch_of[key] = 1
-            return self._result((await self.run_batch([(ids, sampling, cache_salt)]))[0])
+            return self._result((await self.run_batch([(ids, sampling, cache_salt, lora)]))[0])
         future: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
-        self.items.append((ids, sampling, cache_salt))
+        self.items.append((ids, sampling, cache_salt, lora))
         self.futures.append(future)
         self._keys.append(key)
         self.leave(key)
@@ -262,7 +262,8 @@ class PrefillService(Service):
         extra: dict[str, Any] = {"engine": self.opts.engine, "transport": self.opts.transport,
                                  "block_size": self.opts.block_size}
         if hasattr(self, "engine"):
-            extra.update(model=self.model_name, max_model_len=self.engine.info.max_model_len)
+            extra.update(model=self.model_name, max_model_len=self.engine.info.max_model_len,
+                         adapters=self.engine.loras())
         return extra
 
     async def on_cancel(self, c: CancelRequest, _: Msg) -> None:
@@ -444,12 +445,12 @@ class PrefillService(Service):
                 try:
                     if member is not None and not layerwise:
                         gather, key = member
-                        res = await gather.prefill(key, ids, sampling, job.cache_salt)
+                        res = await gather.prefill(key, ids, sampling, job.cache_salt, job.lora)
                         batch = gather.batch_of.get(key, 1)
                         csp.set_attribute("prefill.batch", batch)
                     else:
                         res = await self.thread.run(self._prefill_cached, ids, sampling,
-                                                    push_layer if layerwise else None, job.cache_salt)
+                                                    push_layer if layerwise else None, job.cache_salt, job.lora)
                 except PromptTooLong as exc:
                     raise JobFailed(ErrorCode.PROMPT_TOO_LONG, str(exc)) from None
                 prefill_ms = (time.perf_counter() - t0) * 1000
@@ -507,14 +508,14 @@ class PrefillService(Service):
                       decoder=job.decoder_id)
 
     def _prefill_cached(self, ids: list[int], sampling: Sampling, on_layer: LayerHook | None,
-                        cache_salt: str | None = None) -> PrefillResult:
+                        cache_salt: str | None = None, lora: str | None = None) -> PrefillResult:
         """Engine thread: reuse the longest cached prefix, prefill the rest, keep the result for next time;
         both within the job's cache salt (its tenant / cache group), so tenants never reuse each other's KV."""
         past = None
         if self.store is not None:
             m = self.store.match(ids, cache_salt=cache_salt)
             past = m.kv if m.num_tokens else None
-        res = self.engine.prefill(ids, sampling, past_kv=past, on_layer=on_layer)
+        res = self.engine.prefill(ids, sampling, past_kv=past, on_layer=on_layer, lora=lora)
         if self.store is not None:
             self.store.insert(ids, res.kv, cache_salt=cache_salt)
         return res
@@ -527,13 +528,13 @@ class PrefillService(Service):
         prefix is computed on its own by the engine; a short one is recomputed in the batch). If the batch
         fails, each prompt is retried alone, so one bad prompt fails only its own job."""
         requests = []
-        for ids, sampling, salt in items:
+        for ids, sampling, salt, lora in items:
             past = None
             if self.store is not None:
                 m = self.store.match(ids, cache_salt=salt)
                 if m.num_tokens > (BATCH_RECOMPUTE_TOKENS if len(items) > 1 else 0):
                     past = m.kv
-            requests.append(PrefillRequest(ids, sampling, past))
+            requests.append(PrefillRequest(ids, sampling, past, lora=lora))
         try:
             results: list[PrefillResult | BaseException] = list(self.engine.prefill_batch(requests))
         except Exception:
@@ -542,11 +543,11 @@ class PrefillService(Service):
             results = []
             for r in requests:
                 try:
-                    results.append(self.engine.prefill(r.token_ids, r.sampling, past_kv=r.past_kv))
+                    results.append(self.engine.prefill(r.token_ids, r.sampling, past_kv=r.past_kv, lora=r.lora))
                 except Exception as exc:
                     results.append(exc)
         if self.store is not None:
-            for (ids, _, salt), res in zip(items, results, strict=True):
+            for (ids, _, salt, _), res in zip(items, results, strict=True):
                 if isinstance(res, PrefillResult):
                     self.store.insert(ids, res.kv, cache_salt=salt)
         return results

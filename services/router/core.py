@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -310,10 +311,11 @@ class RouterCore(Service):
             r = self._rates[(tenant, what)] = _Rate()
         return r
 
-    def _live(self, role: str, model: str, now: float) -> list[Heartbeat]:
-        """The live workers of a role that serve ``model``."""
+    def _live(self, role: str, model: str, now: float, lora: str | None = None) -> list[Heartbeat]:
+        """The live workers of a role that serve ``model`` (and have the LoRA adapter ``lora`` loaded)."""
         of = self.models.model_of
-        return [hb for hb in self.registry.live(role, now) if of(hb) == model]
+        return [hb for hb in self.registry.live(role, now) if of(hb) == model and (lora is None or lora in hb.adapters)]
+
 
     async def _wait_for_decoders(self, model: str) -> list[Heartbeat]:
         """Live decoders of ``model``, waiting (bounded) for one to appear, so "no workers" is a clear, early
@@ -338,18 +340,22 @@ class RouterCore(Service):
         """The salt keying this request's prefix-cache blocks (index lookups here, the workers' stores and KV
         events): from the tenant the router trusts (``req.tenant``, the one its subject is authorised for) and
         the request's own optional salt, never from the request alone (``TenantsConfig.cache_salt``). With
-        several models it is scoped to the request's model too (``|m:`` and the model's pool token, which holds
-        no ``|``: unambiguous), so no prompt hits another model's blocks."""
+        several models, or a LoRA adapter, it is scoped to the request's model and adapter too (``|m:`` and a
+        digest of both; a tenant's salt holds no ``|``: unambiguous), so no prompt hits another model's or
+        adapter's blocks."""
         salt = self.tenants.cache_salt(req.tenant, req.cache_salt)
-        if self.models.single:
+        if self.models.single and not req.lora:
             return salt
-        return f"{salt}|m:{self.models.served(req.model).pool}"
+        # 12 hex digits of (model, adapter): the salt stays within what vLLM takes as a cache_salt (128)
+        scope = f"{self.models.served(req.model).name}\0{req.lora or ''}".encode("utf-8", "surrogatepass")
+        return f"{salt}|m:{hashlib.sha256(scope).hexdigest()[:12]}"
 
     def _decide(self, req: GenerateRequest, token_ids: list[int], salt: str, now: float) -> Decision:
         """The policy's decision for ``req`` over ``token_ids`` (its prompt, or prompt + tokens so far when it
         moves) among the workers live now; raises NoWorkers."""
         model = self.models.served(req.model).name
-        views = [self._view(hb) for hb in self._live("decode", model, now) + self._live("prefill", model, now)]
+        views = [self._view(hb) for hb in (self._live("decode", model, now, req.lora)
+                                           + self._live("prefill", model, now, req.lora))]
         rreq = RoutingRequest(request_id=req.key, tenant=req.tenant, token_ids=token_ids,
                               session_key=req.session_id, force_route=None if req.route == "auto" else req.route,
                               cache_salt=salt)

@@ -26,6 +26,7 @@ from splitserve.proto import (
 )
 from splitserve.runtime.bus import PayloadTooLarge, reply_allowed
 from splitserve.services.router.core import RouterCore
+from splitserve.services.router.models import ServedModel
 from splitserve.services.router.tokenize import PromptTokenizer
 
 _REFUSAL_CODES = {"unknown_tenant": ErrorCode.UNKNOWN_TENANT, "quota_exceeded": ErrorCode.QUOTA_EXCEEDED,
@@ -88,15 +89,17 @@ class Intake(RouterCore):
             await self._reject(req, msg, ErrorCode.BUSY, f"the router serves at most {OPEN_MODE_MAX_TENANTS:,} "
                                "distinct tenants without a tenants file", retry_after_s=5.0)
             return
-        served = self.models.resolve(req.model)
-        if served is None:
-            await self._reject(req, msg, ErrorCode.MODEL_NOT_FOUND, self.models.not_found(req.model or ""))
+        resolved = self._resolve_model(req)
+        if isinstance(resolved, str):
+            await self._reject(req, msg, ErrorCode.MODEL_NOT_FOUND, resolved)
             return
-        if not self.tenants.allows_model(req.tenant, served.name):
+        served, lora = resolved
+        asked = lora or served.name
+        if not self.tenants.allows_model(req.tenant, asked):
             await self._reject(req, msg, ErrorCode.MODEL_NOT_ALLOWED, f"tenant {req.tenant!r} may not use model "
-                               f"{served.name!r} (its models in the tenants file)")
+                               f"{asked!r} (its models in the tenants file)")
             return
-        req.model = served.name  # what dispatch, migration and a re-send read from here on
+        req.model, req.lora = served.name, lora  # what dispatch, migration and a re-send read from here on
         tok = served.tok
         # Cheap checks first: a prompt whose size alone puts it over a limit is refused before any tokenizer
         # work (three 6 MB prompts once stalled this loop for 16 s), and a large one is tokenized off the loop.
@@ -143,6 +146,42 @@ class Intake(RouterCore):
             return
         await self._route(req, ids, msg, sp)
         self.quota.admit(req.tenant, req.request_id, len(ids), req.sampling.max_tokens, now)
+
+    def _resolve_model(self, req: GenerateRequest) -> tuple[ServedModel, str | None] | str:
+        """(served model, LoRA adapter or None) of a request, or why it names nothing served: ``model`` names a
+        served model, else an adapter a live decoder has loaded (its base model is that decoder's); with one
+        served model any other name is that model (as before adapters). A ``lora`` the caller set itself must
+        be loaded on a worker of ``model``. (The router serves only after it has heard every live worker.)"""
+        now = self.clock()
+        served, lora = None, req.lora
+        if lora:
+            served = self.models.resolve(req.model)
+        elif not req.model:
+            served = self.models.default
+        elif (named := self.models.named(req.model)) is not None:
+            served = named
+        elif (base := self._adapter_base(req.model, now)) is not None:
+            served, lora = self.models.served(base), req.model
+        elif self.models.single:
+            served = self.models.default
+        if served is not None and lora is not None and not self._live("decode", served.name, now, lora):
+            return f"LoRA adapter {lora!r} is not loaded on any live worker of model {served.name!r}"
+        if served is None:
+            return (f"model {req.model!r} is not served here; served models and adapters: "
+                    f"{', '.join(self.served_names(now))}")
+        return served, lora
+
+    def _adapter_base(self, name: str, now: float) -> str | None:
+        """The served model a LoRA adapter of that name is loaded on (a live decoder's), or None."""
+        for hb in self.registry.live("decode", now):
+            if name in hb.adapters and (model := self.models.model_of(hb)) is not None:
+                return model
+        return None
+
+    def served_names(self, now: float) -> list[str]:
+        """The names a request may ask for: the served models, then the adapters live decoders have loaded."""
+        adapters = {a for hb in self.registry.live("decode", now) if self.models.model_of(hb) for a in hb.adapters}
+        return self.models.names() + sorted(adapters - set(self.models.names()))
 
     def _intake_gate(self, raw: Msg) -> StreamError | None:
         """Before a request is decoded: charge its size to the tenant its subject names, and refuse (busy, with

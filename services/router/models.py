@@ -92,6 +92,10 @@ class ModelTable:
             return self.default
         return self._by_name.get(name)
 
+    def named(self, name: str) -> ServedModel | None:
+        """The served model of exactly that name."""
+        return self._by_name.get(name)
+
     def served(self, name: str | None) -> ServedModel:
         """The model of a request already admitted (its ``model`` was resolved at intake; an older message
         without one is the default's)."""

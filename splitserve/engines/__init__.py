@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from splitserve.engines.base import (
+    AdapterNotSupported,
     ContextFull,
     Engine,
     EngineError,
@@ -21,6 +22,7 @@ from splitserve.engines.base import (
     PromptTooLong,
     Sampling,
     TokenLogprobs,
+    UnknownAdapter,
 )
 
 EngineFactory = Callable[..., Engine]
@@ -62,6 +64,7 @@ def load_engine(name: str, /, **opts: Any) -> Engine:
 
 
 __all__ = [
+    "AdapterNotSupported",
     "ContextFull",
     "Engine",
     "EngineError",
@@ -74,6 +77,7 @@ __all__ = [
     "PromptTooLong",
     "Sampling",
     "TokenLogprobs",
+    "UnknownAdapter",
     "engine_names",
     "load_engine",
     "register_engine",

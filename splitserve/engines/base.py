@@ -13,6 +13,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -93,6 +94,7 @@ class PrefillRequest:
     token_ids: Sequence[int]
     sampling: Sampling
     past_kv: Tensor | None = None
+    lora: str | None = None  # the LoRA adapter to prefill with (None: the base model); past_kv must be its KV
 
 
 class EngineError(Exception):
@@ -109,6 +111,21 @@ class PromptTooLong(EngineError, ValueError):
             f"prompt has {prompt_tokens} tokens; the model's maximum length is {limit} tokens "
             f"(prompt + output), so at most {limit - 1} prompt tokens are accepted"
         )
+
+
+class UnknownAdapter(EngineError, ValueError):
+    """A request names a LoRA adapter the engine has not loaded (or has unloaded)."""
+
+    def __init__(self, name: str, loaded: Sequence[str] = ()) -> None:
+        self.name = name
+        super().__init__(f"unknown LoRA adapter {name!r}; loaded: {', '.join(map(repr, loaded)) or 'none'}")
+
+
+class AdapterNotSupported(EngineError, NotImplementedError):
+    """The engine cannot serve LoRA adapters (yet)."""
+
+    def __init__(self, engine: str) -> None:
+        super().__init__(f"the {engine} engine does not serve LoRA adapters")
 
 
 class ContextFull(EngineError):
@@ -228,13 +245,15 @@ class Engine(ABC):
         *,
         past_kv: Tensor | None = None,
         on_layer: LayerHook | None = None,
+        lora: str | None = None,
     ) -> PrefillResult:
         """Compute KV for the prompt and sample the first new token.
 
         past_kv holds the KV of a prefix of token_ids (cached elsewhere); only the rest is computed. At least
         the last prompt token is always recomputed, because its logits are needed. on_layer fires once per
-        layer, in order, with views of the returned kv tensor.
-        Raises PromptTooLong.
+        layer, in order, with views of the returned kv tensor. lora names a loaded LoRA adapter to run the
+        prompt with (None: the base model); past_kv must then have been computed with the same adapter.
+        Raises PromptTooLong, UnknownAdapter.
         """
 
     def prefill_batch(self, requests: Sequence[PrefillRequest]) -> list[PrefillResult]:
@@ -243,12 +262,15 @@ class Engine(ABC):
         prompts, whose KV is pushed in one piece. This default runs them one at a time; an engine that can
         share one forward between them (hf) overrides it. Raises PromptTooLong (for the batch as a whole:
         callers check lengths first, or retry one by one)."""
-        return [self.prefill(r.token_ids, r.sampling, past_kv=r.past_kv) for r in requests]
+        return [self.prefill(r.token_ids, r.sampling, past_kv=r.past_kv, lora=r.lora) for r in requests]
 
     # -- decode ---------------------------------------------------------------------------------------------
     @abstractmethod
-    def add_sequence(self, seq_id: str, kv: Tensor | KvSource, last_token: int, sampling: Sampling) -> None:
-        """Join the decode batch. kv covers the prompt; last_token was sampled after it and is not in kv."""
+    def add_sequence(self, seq_id: str, kv: Tensor | KvSource, last_token: int, sampling: Sampling, *,
+                     lora: str | None = None) -> None:
+        """Join the decode batch. kv covers the prompt; last_token was sampled after it and is not in kv.
+        lora: the LoRA adapter the sequence decodes with (None: the base model), the one its kv was computed
+        with. Raises UnknownAdapter."""
 
     @abstractmethod
     def step(self) -> dict[str, int]:
@@ -273,3 +295,18 @@ class Engine(ABC):
     def room_for(self, num_tokens: int) -> int:
         """How many more tokens a sequence holding num_tokens (prompt + output so far) may generate."""
         return max(self.info.max_model_len - num_tokens, 0)
+
+    # -- LoRA adapters --------------------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Load the PEFT LoRA adapter folder ``path`` as ``name``, for requests to name in prefill and
+        add_sequence. ValueError for a name already loaded or a folder the engine cannot serve."""
+        raise AdapterNotSupported(type(self).__name__)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload adapter ``name``. UnknownAdapter if it is not loaded; ValueError while a decoding sequence
+        uses it."""
+        raise AdapterNotSupported(type(self).__name__)
+
+    def loras(self) -> list[str]:
+        """The names of the loaded LoRA adapters."""
+        return []

@@ -44,6 +44,7 @@ class _Seq:
     last_token: int  # fed at position `length` by the next step
     sampling: Sampling
     zero_from: int = 0  # columns [zero_from, width - length) of its row are zeros (finite padding)
+    lora: str | None = None  # its LoRA adapter (None: the base model); moves with the row
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class StepInputs:
     samplings: list[Sampling]
     sample_positions: list[int]  # absolute position of the token each row samples
     groups: list[RowGroup] | None = None  # attention row groups (None: one group over every column)
+    loras: list[str | None] | None = None  # each row's LoRA adapter, in row order (None: no row has one)
 
 
 class DecodeBatch:
@@ -119,7 +121,12 @@ class DecodeBatch:
             seq.zero_from = width - seq.length  # padding is zeroed lazily, as far as attention reads it
         self.relayouts += 1
 
-    def add(self, seq_id: str, kv: Tensor | KvSource, last_token: int, sampling: Sampling) -> None:
+    def uses(self, lora: str) -> list[str]:
+        """The sequences decoding with LoRA adapter ``lora``."""
+        return [s.seq_id for s in self.rows if s.lora == lora]
+
+    def add(self, seq_id: str, kv: Tensor | KvSource, last_token: int, sampling: Sampling,
+            lora: str | None = None) -> None:
         if any(s.seq_id == seq_id for s in self.rows):
             raise ValueError(f"sequence {seq_id!r} is already active")
         length = int(kv.shape[3]) if isinstance(kv, Tensor) else kv.num_tokens
@@ -135,7 +142,7 @@ class DecodeBatch:
                 v_out.copy_(kv[layer, 1])
             else:
                 kv.copy_layer(layer, k_out, v_out)
-        self.rows.append(_Seq(seq_id, length, int(last_token), sampling, zero_from=start))
+        self.rows.append(_Seq(seq_id, length, int(last_token), sampling, zero_from=start, lora=lora))
 
     def remove(self, seq_id: str, keep_kv: bool = True) -> Tensor | None:
         try:
@@ -191,6 +198,7 @@ class DecodeBatch:
             samplings=[s.sampling for s in self.rows],
             sample_positions=[s.length + 1 for s in self.rows],
             groups=groups,
+            loras=[s.lora for s in self.rows] if any(s.lora is not None for s in self.rows) else None,
         )
 
     def _groups(self) -> list[RowGroup] | None:

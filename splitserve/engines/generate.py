@@ -31,6 +31,7 @@ class GenRequest:
     kv_transfer_params: dict[str, Any] | None = None  # the connector's params (see the module doc)
     # Scopes the engine's own prefix cache (vLLM's ``cache_salt``): the router's per-tenant / cache-group salt.
     cache_salt: str | None = None
+    lora: str | None = None  # a LoRA adapter the engine has loaded (None: the base model)
 
 
 @dataclass
@@ -166,8 +167,8 @@ class KvEngineAdapter(GenerateEngine):
             q.put_nowait(GenOutput([token], finished=reason is not None, finish_reason=reason))
 
     def _admit(self, req: GenRequest) -> int:
-        res = self.engine.prefill(req.prompt_token_ids, req.sampling)
-        self.engine.add_sequence(req.request_id, res.kv, res.first_token, req.sampling)
+        res = self.engine.prefill(req.prompt_token_ids, req.sampling, lora=req.lora)
+        self.engine.add_sequence(req.request_id, res.kv, res.first_token, req.sampling, lora=req.lora)
         return res.first_token
 
     def _remove(self, ids: list[str]) -> None:

@@ -1,6 +1,8 @@
 """The `hf` engine: transformers + torch, a real model with real KV, runs anywhere (CPU default).
 
 Owns model/tokenizer loading (offline), prefill with prefix reuse and per-layer hooks, and batched decode.
+LoRA adapters (splitserve.engines.lora) are applied per row: one prefill batch or decode step may mix the
+base model and several adapters.
 Supports decoder-only models whose layers all use full attention (Llama family, SmolLM2, Qwen2, Mistral
 without sliding window...).
 """
@@ -37,6 +39,7 @@ from splitserve.engines.base import (
 from splitserve.engines.batch import DecodeBatch
 from splitserve.engines.hf_export import loadable
 from splitserve.engines.kvcache import BatchCache, PrefillCache
+from splitserve.engines.lora import LoraSet
 from splitserve.engines.model_files import resolve_model
 from splitserve.engines.sampling import sample_logprobs
 
@@ -97,6 +100,7 @@ class HfEngine(HfTokenizerMixin, Engine):
         self.load_seconds: float | None = None
         self._batch = DecodeBatch(self.info, self.dtype, self.device, min_headroom=kv_headroom, grouped=grouped)
         self._step_lp: dict[str, TokenLogprobs] = {}
+        self.adapters = LoraSet(self.model)
         config = model.config.get_text_config(decoder=True)
         self._batch_prefill = (
             all(getattr(config, f, None) in (None, 1, 1.0) for f in _LOGIT_TRANSFORMS)
@@ -141,6 +145,21 @@ class HfEngine(HfTokenizerMixin, Engine):
         engine.load_seconds = time.perf_counter() - started
         return engine
 
+    # -- LoRA adapters --------------------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str | Path) -> None:
+        self.adapters.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.adapters.check(name)
+        users = self._batch.uses(name)
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} decoding sequence(s): "
+                             f"{', '.join(users[:5])}")
+        self.adapters.unload(name)
+
+    def loras(self) -> list[str]:
+        return self.adapters.names()
+
     # -- tokenizer ------------------------------------------------------------------------------------------
     # -- prefill --------------------------------------------------------------------------------------------
     def prefill(
@@ -150,14 +169,16 @@ class HfEngine(HfTokenizerMixin, Engine):
         *,
         past_kv: Tensor | None = None,
         on_layer: LayerHook | None = None,
+        lora: str | None = None,
     ) -> PrefillResult:
+        self.adapters.check(lora)
         ids, reused = prompt_ids(token_ids, self.info, past_kv)
         # allocated outside inference mode so the caller gets an ordinary tensor it may modify
         out = torch.empty(self.info.kv_shape(len(ids)), dtype=self.dtype, device=self.device)
         if past_kv is not None and reused:
             out[:, :, :, :reused] = past_kv[:, :, :, :reused]
         cache = PrefillCache(out, reused, on_layer)
-        with torch.inference_mode():
+        with torch.inference_mode(), self.adapters.rows([lora]):
             logits = self.model(
                 input_ids=torch.tensor([ids[reused:]], device=self.device),
                 past_key_values=cache,
@@ -172,22 +193,27 @@ class HfEngine(HfTokenizerMixin, Engine):
         """Prompts without a reused prefix share one right-padded forward: the weights are read once for all
         of them (for short prompts that read is most of a prefill's time). Right padding keeps every real
         token's view exactly the unbatched one: causal attention never looks ahead to the padding, and the
-        padding's own queries always see real keys (no fully masked row, so no NaN to leak anywhere)."""
+        padding's own queries always see real keys (no fully masked row, so no NaN to leak anywhere). Rows of
+        different LoRA adapters share the forward too (each row's adapter applies to that row only)."""
+        for r in requests:
+            self.adapters.check(r.lora)
         checked = [prompt_ids(r.token_ids, self.info, r.past_kv) for r in requests]
         together = [i for i, (_, reused) in enumerate(checked) if not reused] if self._batch_prefill else []
         if len(together) < 2:
             together = []
         results: list[PrefillResult | None] = [None] * len(requests)
         if together:
-            padded = self._prefill_padded([checked[i][0] for i in together], [requests[i].sampling for i in together])
+            padded = self._prefill_padded([checked[i][0] for i in together], [requests[i].sampling for i in together],
+                                          [requests[i].lora for i in together])
             for i, result in zip(together, padded, strict=True):
                 results[i] = result
         for i, r in enumerate(requests):
             if results[i] is None:
-                results[i] = self.prefill(r.token_ids, r.sampling, past_kv=r.past_kv)
+                results[i] = self.prefill(r.token_ids, r.sampling, past_kv=r.past_kv, lora=r.lora)
         return [r for r in results if r is not None]
 
-    def _prefill_padded(self, prompts: list[list[int]], samplings: list[Sampling]) -> list[PrefillResult]:
+    def _prefill_padded(self, prompts: list[list[int]], samplings: list[Sampling],
+                        loras: list[str | None]) -> list[PrefillResult]:
         info, b = self.info, len(prompts)
         lengths = [len(ids) for ids in prompts]
         width = max(lengths)
@@ -201,7 +227,7 @@ class HfEngine(HfTokenizerMixin, Engine):
         if min(lengths) != width:
             mask = (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long().to(self.device)
         cache = BatchCache([buf[i, 0] for i in range(info.num_layers)], [buf[i, 1] for i in range(info.num_layers)], 0)
-        with torch.inference_mode():
+        with torch.inference_mode(), self.adapters.rows(loras):
             hidden = self.model.get_decoder()(
                 input_ids=input_ids.to(self.device),
                 attention_mask=mask,
@@ -216,7 +242,9 @@ class HfEngine(HfTokenizerMixin, Engine):
                               first_logprobs=lps[row]) for row, n in enumerate(lengths)]
 
     # -- decode ---------------------------------------------------------------------------------------------
-    def add_sequence(self, seq_id: str, kv: Tensor | KvSource, last_token: int, sampling: Sampling) -> None:
+    def add_sequence(self, seq_id: str, kv: Tensor | KvSource, last_token: int, sampling: Sampling, *,
+                     lora: str | None = None) -> None:
+        self.adapters.check(lora)
         if isinstance(kv, Tensor):
             num_tokens = check_kv(kv, self.info)
         else:
@@ -228,7 +256,7 @@ class HfEngine(HfTokenizerMixin, Engine):
         check_join(num_tokens, last_token, self.info)
         if isinstance(kv, Tensor) and (kv.dtype != self.dtype or kv.device != self.device):
             kv = kv.to(dtype=self.dtype, device=self.device)
-        self._batch.add(seq_id, kv, last_token, sampling)
+        self._batch.add(seq_id, kv, last_token, sampling, lora)
 
     def step(self) -> dict[str, int]:
         for seq in self._batch.rows:
@@ -239,7 +267,7 @@ class HfEngine(HfTokenizerMixin, Engine):
             self._step_lp = {}
             if inputs is None:
                 return {}
-            with row_groups(inputs.groups):
+            with row_groups(inputs.groups), self.adapters.rows(inputs.loras or ()):
                 logits = self.model(
                     input_ids=inputs.input_ids,
                     position_ids=inputs.position_ids,

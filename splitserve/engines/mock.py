@@ -43,6 +43,7 @@ from splitserve.engines.base import (
     PrefillResult,
     Sampling,
     TokenLogprobs,
+    UnknownAdapter,
     check_join,
     check_kv,
     materialize,
@@ -128,6 +129,7 @@ class _Seq:
     key: int  # the sampling key the next tokens derive from
     fed: list[int] = field(default_factory=list)  # tokens steps have fed (positions kv_len, kv_len + 1, ...)
     sampling: Sampling = field(default_factory=Sampling)
+    lora: str | None = None
 
     @property
     def length(self) -> int:  # tokens in KV
@@ -173,6 +175,7 @@ class MockEngine(HfTokenizerMixin, Engine):
         self.load_seconds: float | None = None
         self._seqs: dict[str, _Seq] = {}
         self._step_lp: dict[str, TokenLogprobs] = {}
+        self._loras: dict[str, Path] = {}
 
     @classmethod
     def load(
@@ -236,6 +239,32 @@ class MockEngine(HfTokenizerMixin, Engine):
         mixed = _splitmix64(_splitmix64(key ^ (previous & _MASK64)) ^ (position & _MASK64))
         return self.token_range.start + mixed % len(self.token_range)
 
+    # -- LoRA adapters --------------------------------------------------------------------------------------
+    # Names only: the mock computes no model output, so an adapter changes nothing it returns (its tokens are
+    # the same with or without one). It keeps the names so that control-plane tests see the same accepted and
+    # refused requests (UnknownAdapter, unload while in use) as on the hf engine.
+    def load_lora(self, name: str, path: str | Path) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an adapter name must be a non-empty string, not {name!r}")
+        if name in self._loras:
+            raise ValueError(f"adapter {name!r} is loaded already (unload it first)")
+        self._loras[name] = Path(path)
+
+    def unload_lora(self, name: str) -> None:
+        self._check_lora(name)
+        users = [sid for sid, seq in self._seqs.items() if seq.lora == name]
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} decoding sequence(s): "
+                             f"{', '.join(users[:5])}")
+        del self._loras[name]
+
+    def loras(self) -> list[str]:
+        return list(self._loras)
+
+    def _check_lora(self, name: str | None) -> None:
+        if name is not None and name not in self._loras:
+            raise UnknownAdapter(name, list(self._loras))
+
     # -- tokenizer ------------------------------------------------------------------------------------------
     # -- prefill --------------------------------------------------------------------------------------------
     def prefill(
@@ -245,7 +274,9 @@ class MockEngine(HfTokenizerMixin, Engine):
         *,
         past_kv: Tensor | None = None,
         on_layer: LayerHook | None = None,
+        lora: str | None = None,
     ) -> PrefillResult:
+        self._check_lora(lora)
         ids, reused = prompt_ids(token_ids, self.info, past_kv)
         out = torch.empty(self.info.kv_shape(len(ids)), dtype=self.dtype)
         if past_kv is not None and reused:
@@ -262,7 +293,9 @@ class MockEngine(HfTokenizerMixin, Engine):
                              first_logprobs=self.logprobs_of(first, sampling))
 
     # -- decode ---------------------------------------------------------------------------------------------
-    def add_sequence(self, seq_id: str, kv: Tensor | KvSource, last_token: int, sampling: Sampling) -> None:
+    def add_sequence(self, seq_id: str, kv: Tensor | KvSource, last_token: int, sampling: Sampling, *,
+                     lora: str | None = None) -> None:
+        self._check_lora(lora)
         kv = materialize(kv, self.info)
         num_tokens = check_kv(kv, self.info)
         check_join(num_tokens, last_token, self.info)
@@ -270,7 +303,7 @@ class MockEngine(HfTokenizerMixin, Engine):
             raise ValueError(f"sequence {seq_id!r} is already active")
         # a copy: decoders hand in views of landing buffers they reuse as soon as this returns
         own = kv.to(dtype=self.dtype, device="cpu", copy=True)
-        self._seqs[seq_id] = _Seq(own, int(last_token), self._key(sampling), sampling=sampling)
+        self._seqs[seq_id] = _Seq(own, int(last_token), self._key(sampling), sampling=sampling, lora=lora)
 
     def step(self) -> dict[str, int]:
         self._step_lp = {}

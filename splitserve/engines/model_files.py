@@ -95,3 +95,19 @@ def _cached_hub_snapshot(repo_id: str) -> ModelSource:
     if len(ggufs) == 1:
         return ModelSource(path, ggufs[0])
     raise ModelNotFound(f"the cached snapshot of {repo_id!r} ({path}) has neither config.json nor one .gguf file")
+
+
+def parse_lora_modules(values: list[str]) -> tuple[tuple[str, str], ...]:
+    """``--lora-modules NAME=PATH`` values -> ((name, path), ...); ValueError for a malformed or repeated name."""
+    out: dict[str, str] = {}
+    for v in values:
+        name, sep, path = v.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {v!r}: expected NAME=PATH")
+        if len(name) > 256:
+            raise ValueError(f"--lora-modules {v!r}: a name has at most 256 characters")
+        if name in out:
+            raise ValueError(f"--lora-modules: adapter {name!r} is given twice")
+        out[name] = path
+    return tuple(out.items())

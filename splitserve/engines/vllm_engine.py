@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from splitserve.engines.base import ModelInfo, PromptTooLong, TokenLogprobs
+from splitserve.engines.base import AdapterNotSupported, ModelInfo, PromptTooLong, TokenLogprobs
 from splitserve.engines.generate import EngineLoad, GenerateEngine, GenOutput, GenRequest
 from splitserve.engines.vllm_env import prepare
 
@@ -270,6 +270,9 @@ class VllmEngine(GenerateEngine):
             extra_args=extra)
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenOutput]:
+        if req.lora is not None:
+            # vLLM has LoRARequest, but splitserve does not start vLLM with enable_lora nor load adapters into it
+            raise AdapterNotSupported("vllm")
         if len(req.prompt_token_ids) >= self.info.max_model_len:
             raise PromptTooLong(len(req.prompt_token_ids), self.info.max_model_len)
         params = self.sampling_params(req)

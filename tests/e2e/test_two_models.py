@@ -1,8 +1,9 @@
 """Two real models served at once by one stack (hf engine, ``up --config`` with a ``models:`` list): the bundled
-SmolLM2-135M-Instruct and a second model derived from it (:mod:`splitserve.engines.derive`), a prefiller and a
-decoder each. Every request's greedy tokens equal plain transformers' on that request's model, disaggregated and
-direct, and run only on its model's workers; the OpenAI API lists both models, refuses an unknown one (404,
-naming the served ones) and one the tenant's contract leaves out (403); the SDK raises the same errors."""
+SmolLM2-135M-Instruct with a LoRA adapter, and a second model derived from it (:mod:`splitserve.engines.derive`),
+a prefiller and a decoder each. Every request's greedy tokens equal plain transformers' on that request's model
+(transformers + peft for the adapter), disaggregated and direct, and run only on its model's workers; the OpenAI
+API lists both models and the adapter (with its parent), refuses an unknown one (404, naming the served ones) and
+one the tenant's contract leaves out (403); the SDK raises the same errors."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from splitserve.tenancy import natsauth
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-DERIVED = REPO / ".models" / "smollm2-26l"  # where `make models` puts it (reused when there)
+DERIVED = REPO / ".models" / "smollm2-26l"  # where `make models` puts them (reused when there)
+ADAPTER_DIR = REPO / ".models" / "lora-a"
+ADAPTER = "smollm2-lora-a"
 BASE, SECOND = "smollm2", "smollm2/26l"  # (a name with '/': its queue lanes' token is derived, not the name)
 PW = {"A": "tenant-a-password", "B": "tenant-b-password"}
 # Long enough to cross the threshold (disaggregated on auto); the route is forced below anyway.
@@ -38,11 +41,18 @@ def derived() -> Path:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, derived: Path) -> Iterator[StackProc]:
+def adapter() -> Path:
+    from splitserve.engines.lora import make_test_adapter
+
+    return make_test_adapter(ADAPTER_DIR, seed=1)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, derived: Path, adapter: Path) -> Iterator[StackProc]:
     tmp = Path(tmp_path_factory.mktemp("two-models"))
     (tmp / "stack.yaml").write_text(
         "engine: hf\ntransport: tcp\nfrontends: 1\ndisagg-threshold: 64\nmodels:\n"
-        f"  - {{name: {BASE}, prefill: 1, decode: 1}}\n"
+        f"  - {{name: {BASE}, prefill: 1, decode: 1, lora_modules: {{{ADAPTER}: '{adapter}'}}}}\n"
         f"  - {{name: {SECOND}, model: '{derived}', prefill: 1, decode: 1}}\n")
     (tmp / "tenants.yaml").write_text(
         f"tenants:\n  A:\n    password: {PW['A']}\n    api_keys: [sk-a-1]\n    models: [{BASE}]\n"
@@ -56,8 +66,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, derived: Path) -> Iterator[S
         assert rc == 0, sp.output
 
 
-def _reference(ref: str | None, n: int) -> tuple[list[int], list[int]]:
-    """(prompt ids, greedy tokens) of plain transformers on that model's files (None: the bundled model)."""
+def _reference(ref: str | None, n: int, adapter: Path | None = None) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy tokens) of plain transformers on that model's files (None: the bundled model), with
+    peft applying ``adapter`` when given."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -67,6 +78,10 @@ def _reference(ref: str | None, n: int) -> tuple[list[int], list[int]]:
     ids = PromptTokenizer(ref).token_ids(proto.GenerateRequest(request_id="x", tenant="t", prompt=LONG))
     src = resolve_model(ref)
     model = AutoModelForCausalLM.from_pretrained(str(src.directory), gguf_file=src.gguf_file, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
     with torch.inference_mode():
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
     return ids, out[0, len(ids):].tolist()
@@ -78,8 +93,9 @@ async def test_up_lists_its_pools_and_each_worker_announces_its_model(stack: Sta
     user, password = natsauth.read_admin_credentials(stack.state_dir)  # a closed stack: the operator reads them
     hbs = await wait_ready(stack.nats_url, ["prefill-0", "decode-0", "prefill-1", "decode-1"], timeout=60,
                            user=user, password=password)
-    assert {w: hb.model for w, hb in hbs.items()} == {"prefill-0": BASE, "decode-0": BASE, "prefill-1": SECOND,
-                                                      "decode-1": SECOND}
+    assert {w: (hb.model, hb.adapters) for w, hb in hbs.items()} == {
+        "prefill-0": (BASE, [ADAPTER]), "decode-0": (BASE, [ADAPTER]), "prefill-1": (SECOND, []),
+        "decode-1": (SECOND, [])}
 
 
 async def test_each_request_equals_transformers_on_its_own_model(stack: StackProc, derived: Path) -> None:
@@ -98,11 +114,27 @@ async def test_each_request_equals_transformers_on_its_own_model(stack: StackPro
     assert got[BASE] != got[SECOND]  # two different models, not one under two names
 
 
+async def test_an_adapter_request_equals_peft_and_leaves_the_base_model_as_it_was(stack: StackProc,
+                                                                                   adapter: Path) -> None:
+    ids, want = await asyncio.to_thread(_reference, None, N, adapter)
+    _, base = await asyncio.to_thread(_reference, None, N)
+    assert want != base  # the adapter changes the output of this prompt
+    async with Client(stack.nats_url, user="B", password=PW["B"]) as c:
+        for route in ("disaggregated", "direct", "disaggregated"):  # (the last: from the prefix cache)
+            lora, plain = await asyncio.gather(c.complete(LONG, model=ADAPTER, route=route, max_tokens=N),
+                                               c.complete(LONG, model=BASE, route=route, max_tokens=N))
+            assert lora.token_ids == want[: len(lora.token_ids)] and len(lora.token_ids) > 2, route
+            assert plain.token_ids == base[: len(plain.token_ids)], route  # decoded beside it, unchanged
+            assert lora.decode_worker == "decode-0" and lora.prefill_worker == (
+                "prefill-0" if route == "disaggregated" else None)
+
+
 async def test_the_api_lists_both_and_refuses_unknown_and_forbidden_models(stack: StackProc) -> None:
     async with httpx2.AsyncClient(base_url=stack.http_url, timeout=300) as http:
         b, a = {"Authorization": "Bearer sk-b-1"}, {"Authorization": "Bearer sk-a-1"}
         listed = (await http.get("/v1/models", headers=b)).json()["data"]
-        assert {m["id"] for m in listed} == {BASE, SECOND} and all(m["max_model_len"] for m in listed)
+        assert {(m["id"], m["parent"]) for m in listed} == {(BASE, None), (SECOND, None), (ADAPTER, BASE)}
+        assert all(m["max_model_len"] for m in listed)
         body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8,
                 "temperature": 0}
         ok = await http.post("/v1/chat/completions", headers=b, json={**body, "model": SECOND})

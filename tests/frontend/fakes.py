@@ -73,6 +73,7 @@ class FakeBackend:
     max_len: int | None = 8192
     # Several served models (name -> max_model_len, in the backend's order); None: the one of ``model``.
     models: dict[str, int | None] | None = None
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter -> its base model
     ready: bool = True
     script: Script = field(default_factory=Script)
     on_generate: Callable[[GenerateArgs], None] | None = None
@@ -88,6 +89,10 @@ class FakeBackend:
         if self.models is not None:
             return dict(self.models)
         return {self.model: self.max_len} if self.model else {}
+
+    @property
+    def served_adapters(self) -> dict[str, str]:
+        return dict(self.adapters)
 
     @property
     def model_name(self) -> str | None:

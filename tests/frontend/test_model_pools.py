@@ -182,6 +182,35 @@ async def test_the_openai_client_raises_not_found_and_permission_denied(backend:
     await http.aclose()
 
 
+# --- LoRA adapters ---------------------------------------------------------------------------------------
+
+
+async def test_adapters_are_listed_with_their_parent_and_may_be_asked_for(backend: FakeBackend,
+                                                                          http: httpx2.AsyncClient) -> None:
+    backend.adapters = {"sql-lora": BIG}
+    data = (await http.get("/v1/models")).json()["data"]
+    assert [(m["id"], m["parent"], m["max_model_len"]) for m in data] == [
+        (SMALL, None, 2048), (BIG, None, 32768), ("sql-lora", BIG, 32768)]
+    card = (await http.get("/v1/models/sql-lora")).json()
+    assert (card["id"], card["parent"], card["root"]) == ("sql-lora", BIG, "sql-lora")  # no worker path leaks
+    r = await http.post("/v1/chat/completions", json={"model": "sql-lora", "messages": MESSAGES})
+    assert r.status_code == 200 and r.json()["model"] == "sql-lora"
+    args, _, _ = backend.calls[-1]
+    assert args.model == "sql-lora"  # the router resolves its base model (and the workers that have it)
+    r = await http.post("/v1/chat/completions", json={"model": "nope", "messages": MESSAGES})
+    assert r.status_code == 404 and "sql-lora" in r.json()["error"]["message"]
+
+
+def test_adapters_are_what_live_decoders_have_loaded() -> None:
+    svc = service()
+    now = time.monotonic()
+    svc.registry.observe(decoder("d0", BIG, 4096).model_copy(update={"adapters": ["b-lora", "a-lora"]}), now)
+    svc.registry.observe(decoder("d1", SMALL, 4096).model_copy(update={"adapters": ["c-lora"]}), now)
+    svc.registry.observe(decoder("p0", SMALL, 4096, role="prefill").model_copy(update={"adapters": ["p-only"]}),
+                         now)
+    assert svc.served_adapters == {"a-lora": BIG, "b-lora": BIG, "c-lora": SMALL}
+
+
 # --- the front-door process's view of the heartbeats --------------------------------------------------
 
 

@@ -167,3 +167,30 @@ async def test_result_rides_out_a_results_store_that_does_not_answer_within_its_
     finally:
         await back
         await nc.close()
+
+
+async def test_a_resent_request_that_ended_meanwhile_is_accepted_not_refused(nats_server: NatsServer) -> None:
+    """The router took the first attempt but its answer was lost (a node died under it); the job ran to its end
+    before the client sent it again, so the re-send hears "already ended". That is this call's own request:
+    accepted (its result is stored), not a bad request. A first attempt that hears it is still refused."""
+    nc = await nats.connect(nats_server.url)
+    heard: list[str] = []
+
+    async def on_req(msg: nats.aio.msg.Msg) -> None:
+        req = proto.decode(msg.data, GenerateRequest)
+        heard.append(req.request_id)
+        if req.request_id == "lost-answer" and heard.count("lost-answer") == 1:
+            return  # taken, and the answer lost
+        err = proto.StreamError(request_id=req.request_id, code=proto.ErrorCode.BAD_REQUEST,
+                                message=f"request {req.request_id} already ended (ok); use a new request id")
+        await nc.publish(msg.reply, proto.encode(err), headers=proto.headers_for(err))  # as a router answers
+
+    await nc.subscribe("ss.req.acme", cb=on_req)
+    try:
+        async with Client(nats_server.url, tenant="acme", resend_s=0.5) as c:
+            assert await c.submit("job", request_id="lost-answer") == "lost-answer"
+            with pytest.raises(errors.BadRequest, match="already ended"):
+                await c.submit("job", request_id="used-before")  # a caller re-using an id: still its error
+        assert heard.count("lost-answer") == 2
+    finally:
+        await nc.close()

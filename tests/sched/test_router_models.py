@@ -146,3 +146,69 @@ def test_model_names_are_unique() -> None:
         ModelTable(["a=bundled", "a=bundled"])
     with pytest.raises(ValueError, match="empty"):
         parse_model_arg("=bundled")
+
+
+# --- LoRA adapters: a request's ``model`` may name an adapter a worker has loaded ----------------------------
+
+ADAPTER_WORKERS = (("d1", "decode", "alpha", ["x"]), ("d2", "decode", "alpha", []), ("d3", "decode", "beta", ["y"]),
+                   ("p1", "prefill", "alpha", ["x"]), ("p2", "prefill", "alpha", []))
+
+
+async def _adapter_router(tmp_path: Path, models: list[str] | None = None) -> tuple[RouterService, RecordingBus]:
+    tf = tmp_path / "tenants.yaml"
+    tf.write_text("tenants:\n  A: {}\n  C:\n    models: [alpha]\n")
+    svc = RouterService("router-l", "nats://127.0.0.1:1", model=models or ["alpha=bundled", "beta=bundled"],
+                        strategy="roundrobin", disagg_threshold=10_000, max_stall_ms=None, queue=False,
+                        tenants_file=str(tf), no_worker_wait_s=0.1)
+    svc.models.load_tokenizers()
+    svc.make_policy()
+    svc.wq = SimpleNamespace(pending_by_tenant=lambda pool=None: {})  # type: ignore[assignment]
+    bus = RecordingBus()
+    svc.bus = bus  # type: ignore[assignment]
+    for wid, role, model, adapters in ADAPTER_WORKERS:
+        await svc.on_heartbeat(proto.Heartbeat(
+            worker_id=wid, role=role, seq=0, pid=1, interval_ms=1000, model=model, max_model_len=2048,
+            adapters=adapters, load=proto.WorkerLoad(max_seqs=4)), None)  # type: ignore[arg-type]
+    return svc, bus
+
+
+async def test_an_adapter_request_goes_only_where_the_adapter_is_loaded(tmp_path: Path) -> None:
+    svc, bus = await _adapter_router(tmp_path)
+    base_salt = svc._cache_salt(_req("s", "alpha"))
+    for i in range(4):
+        (job,) = await _intake(svc, bus, _req(f"x{i}", "x"))
+        assert isinstance(job, proto.DecodeJob) and (job.decoder_id, job.lora) == ("d1", "x")
+        assert job.cache_salt != base_salt  # its cached blocks are the adapter's, never the base model's
+        (job,) = await _intake(svc, bus, _req(f"y{i}", "y"))
+        assert isinstance(job, proto.DecodeJob) and (job.decoder_id, job.lora) == ("d3", "y")
+    seen = set()
+    for i in range(4):  # the base model runs on every decoder of its model, adapters loaded or not
+        (job,) = await _intake(svc, bus, _req(f"a{i}", "alpha"))
+        assert isinstance(job, proto.DecodeJob) and job.lora is None
+        seen.add(job.decoder_id)
+    assert seen == {"d1", "d2"}
+    before = len(bus.published)
+    await _intake(svc, bus, _req("xd", "x", route="disaggregated"))
+    subject, job = next((s, m) for s, m in bus.published[before:] if isinstance(m, proto.PrefillJob))
+    assert subject == proto.Subjects.prefill_job("p1") and job.decode.lora == "x"  # the prefiller has it too
+
+
+async def test_unknown_and_forbidden_adapters_are_refused(tmp_path: Path) -> None:
+    svc, bus = await _adapter_router(tmp_path)
+    (err,) = await _intake(svc, bus, _req("r1", "z"))
+    assert isinstance(err, proto.StreamError) and err.code == proto.ErrorCode.MODEL_NOT_FOUND
+    assert all(n in err.message for n in ("alpha", "beta", "x", "y"))
+    (err,) = await _intake(svc, bus, _req("r2", "x", tenant="C"))  # C may use alpha, not its adapter x
+    assert isinstance(err, proto.StreamError) and err.code == proto.ErrorCode.MODEL_NOT_ALLOWED
+    req = _req("r3", "beta")
+    req.lora = "x"  # named directly, on a model whose workers do not have it
+    (err,) = await _intake(svc, bus, req)
+    assert isinstance(err, proto.StreamError) and err.code == proto.ErrorCode.MODEL_NOT_FOUND and "'x'" in err.message
+
+
+async def test_one_model_routes_an_adapter_name_to_its_adapter(tmp_path: Path) -> None:
+    svc, bus = await _adapter_router(tmp_path, models=["bundled"])
+    (job,) = await _intake(svc, bus, _req("r1", "x"))
+    assert isinstance(job, proto.DecodeJob) and (job.decoder_id, job.lora) == ("d1", "x")
+    (job,) = await _intake(svc, bus, _req("r2", "anything-else"))  # any other name: the one model, as before
+    assert isinstance(job, proto.DecodeJob) and job.lora is None

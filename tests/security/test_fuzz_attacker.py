@@ -228,7 +228,7 @@ def check_healthy(w: World, what: str) -> None:
 # Strings an attacker puts anywhere: other tenants, service users, subjects of others and of the system,
 # wildcards, inbox prefixes, unicode look-alikes, a lone surrogate, control characters.
 HOSTILE_STRINGS = ["B", "b", "A", "A.B", "svc.admin", "svc.router", "ss.stream.B.x", "ss.result.B.x", "ss.req.B",
-                   "ss.q.B.p0", "ss.evt.finished.B.x", "$KV.SS_QUOTA.B", "$KV.SS_REQUESTS.x",
+                   "ss.q.B.default.p0", "ss.evt.finished.B.x", "$KV.SS_QUOTA.B", "$KV.SS_REQUESTS.x",
                    "$JS.API.STREAM.PURGE.SS_QUEUE", "$JS.API.DIRECT.GET.SS_RESULTS.ss.result.B.x", "_INBOX.B.x",
                    ">", "*", "", " ", "\x00", "\r\n", "Ａ", "\ud800", "A" * 65, "decode-0", "router-0", "../../etc",
                    "{\"tenant\": \"B\"}", "null"]
@@ -516,7 +516,7 @@ def test_admin_subjects_are_out_of_a_tenants_reach(world: World, subject: str) -
     w.run(attempt(), 60)
 
 
-@pytest.mark.parametrize("subject", ["ss.q.A.p0", "$KV.SS_QUOTA.A", "$KV.SS_REQUESTS.x", "ss.hb.decode.fz",
+@pytest.mark.parametrize("subject", ["ss.q.A.default.p0", "$KV.SS_QUOTA.A", "$KV.SS_REQUESTS.x", "ss.hb.decode.fz",
                                      "ss.routed.fz", "ss.fair.fz", "ss.evt.finished.A.x", "ss.kv.fz",
                                      "ss.decode.decode-0.job", "$JS.API.STREAM.PURGE.SS_QUEUE",
                                      "$JS.API.DIRECT.GET.SS_RESULTS.ss.result.B.x", "$JS.API.DIRECT.GET.SS_RESULTS"])
@@ -651,8 +651,10 @@ def test_fuzz_work_queue_as_insider(world: World) -> None:
     """Garbage in SS_QUEUE on the tenants' lanes and on lanes that are no priority class; a message whose body is
     tenant B's on A's lane is terminated (``queue_message_forbidden``) and never runs as B."""
     w = world
-    lanes = st.sampled_from(["ss.q.A.p0", "ss.q.B.p0", "ss.q.B.p1", "ss.q.B.p2", "ss.q.B.p7", "ss.q.A.p99",
-                             "ss.q.B.p0.extra", "ss.q.fz.p0", "ss.q.A.px"])
+    lanes = st.sampled_from(["ss.q.A.default.p0", "ss.q.B.default.p0", "ss.q.B.default.p1", "ss.q.B.default.p2",
+                             "ss.q.B.default.p7", "ss.q.A.default.p99", "ss.q.B.default.p0.extra",
+                             "ss.q.fz.default.p0", "ss.q.A.default.px", "ss.q.A.p0", "ss.q.B.other-pool.p0",
+                             "ss.q.A.x.y.p0"])
     _, valid = _queued("A")
 
     @FUZZ_SETTINGS
@@ -675,7 +677,7 @@ def test_fuzz_work_queue_as_insider(world: World) -> None:
 
         subs = [await w.admin.subscribe(Subjects.stream("B", rid), cb=cb),
                 await w.admin.subscribe(Subjects.finished("B", rid), cb=cb)]
-        await w.admin.jetstream().publish("ss.q.A.p0", json.dumps(body).encode(), timeout=10)
+        await w.admin.jetstream().publish("ss.q.A.default.p0", json.dumps(body).encode(), timeout=10)
         await asyncio.sleep(4)
         for s in subs:
             await s.unsubscribe()

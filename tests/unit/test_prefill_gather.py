@@ -18,14 +18,16 @@ class FakeEngineCalls:
     def __init__(self) -> None:
         self.calls: list[list[list[int]]] = []
         self.salts: list[list[str | None]] = []
+        self.loras: list[list[str | None]] = []
 
     async def __call__(self, items: list[BatchItem]) -> list[PrefillResult | BaseException]:
-        self.calls.append([ids for ids, _, _ in items])
-        self.salts.append([salt for _, _, salt in items])
+        self.calls.append([ids for ids, _, _, _ in items])
+        self.salts.append([salt for _, _, salt, _ in items])
+        self.loras.append([lora for _, _, _, lora in items])
         await asyncio.sleep(0)
         return [PromptTooLong(len(ids), 4) if len(ids) >= 4 else
                 PrefillResult(first_token=sum(ids), kv=torch.zeros(1), num_computed_tokens=len(ids))
-                for ids, _, _ in items]
+                for ids, _, _, _ in items]
 
 
 def test_jobs_started_together_make_one_call_and_errors_stay_per_job() -> None:
@@ -82,8 +84,9 @@ def test_each_prompt_of_a_batch_keeps_its_own_cache_salt() -> None:
 
     async def main() -> None:
         gather = PrefillGather(["a", "b", "late"], calls)
-        await asyncio.gather(gather.prefill("a", [1], GREEDY, "t:A"), gather.prefill("b", [2], GREEDY, "t:B"))
-        await gather.prefill("late", [3], GREEDY, "g:shared")  # after the batch closed: alone, salt kept
+        await asyncio.gather(gather.prefill("a", [1], GREEDY, "t:A"), gather.prefill("b", [2], GREEDY, "t:B", "ad"))
+        await gather.prefill("late", [3], GREEDY, "g:shared", "ad2")  # after the batch closed: alone, salt kept
 
     asyncio.run(main())
     assert calls.salts == [["t:A", "t:B"], ["g:shared"]]
+    assert calls.loras == [[None, "ad"], ["ad2"]]  # each prompt's LoRA adapter travels with it
