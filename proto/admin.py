@@ -17,7 +17,8 @@ from splitserve.proto.messages import ChatMessage, Message, now_ms
 from splitserve.proto.subjects import check_token
 from splitserve.proto.tokens import TokenIds
 
-__all__ = ["ExplainWorker", "RouteExplainReply", "RouteExplainRequest", "StrategyExplanation"]
+__all__ = ["ExplainWorker", "LoraAdminReply", "LoraAdminRequest", "RouteExplainReply", "RouteExplainRequest",
+           "StrategyExplanation"]
 
 MAX_EXPLAIN_STRATEGIES = 16
 
@@ -86,3 +87,31 @@ class RouteExplainReply(Message):
     policy: dict[str, Any] = Field(default_factory=dict)  # the live Router.describe(): thresholds, disagg rule
     workers: list[ExplainWorker] = Field(default_factory=list)
     results: list[StrategyExplanation] = Field(default_factory=list)
+
+
+class LoraAdminRequest(Message):
+    """``ss.admin.lora``: an operator loads or unloads a LoRA adapter at runtime (the front door's
+    ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, behind an admin key). Every worker serving
+    ``model`` (None: every worker) acts and answers: a load makes the adapter available there (and loads it now
+    unless the worker loads adapters on demand); an unload removes it (refused while a sequence decodes with it).
+    The path is the workers' own (their filesystem), named by the operator only."""
+
+    kind: Literal["lora_admin_request"] = "lora_admin_request"
+    action: Literal["load", "unload"]
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str | None = Field(default=None, max_length=4096)
+    model: str | None = Field(default=None, max_length=256)
+
+    @model_validator(mode="after")
+    def _path_for_load(self) -> LoraAdminRequest:
+        if self.action == "load" and not self.lora_path:
+            raise ValueError("a load needs lora_path")
+        return self
+
+
+class LoraAdminReply(Message):
+    kind: Literal["lora_admin_reply"] = "lora_admin_reply"
+    worker_id: str
+    ok: bool
+    message: str = ""
+    adapters: list[str] = Field(default_factory=list)  # what the worker has loaded after it acted

@@ -555,8 +555,10 @@ class Heartbeat(Message):
     active_requests: list[str] = Field(default_factory=list)
     # A decoder's context pool: "long" decoders take the long prompts (splitserve.routing.context)
     pool: Literal["general", "long"] = "general"
-    # The LoRA adapters loaded on this worker (requests naming one go only where it is loaded)
+    # The LoRA adapters loaded on this worker now, and all it may load on demand (--max-loras); routers prefer a
+    # worker with a request's adapter loaded, and send it only to one that has it available
     adapters: list[str] = Field(default_factory=list, max_length=1024)
+    adapters_available: list[str] = Field(default_factory=list, max_length=1024)
 
 
 # ---------------------------------------------------------------------------------------------- KV events

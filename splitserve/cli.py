@@ -236,6 +236,10 @@ def up(
     lora_modules: list[str] = typer.Option([], "--lora-modules", help="a LoRA adapter every worker loads, "
                                            "NAME=PATH (a PEFT folder; repeatable); requests whose model is NAME "
                                            "run with it (a config's models: list gives each pool its own)"),
+    max_loras: int = typer.Option(0, "--max-loras", min=0, help="LoRA adapters each worker holds loaded at once, "
+                                  "each loaded on first use (least recently used unloaded); 0: all, at start"),
+    lora_affinity: bool = typer.Option(True, "--lora-affinity/--no-lora-affinity", help="routers send an "
+                                       "adapter's requests to workers that have it loaded unless much busier"),
     tenants: Path | None = typer.Option(None, "--tenants", exists=True, dir_okay=False,
                                         help="tenants file: one NATS user per tenant and per service, each tenant "
                                              "confined to its own subjects (see README)"),
@@ -281,7 +285,7 @@ def up(
                       http_port=http_port, frontends=frontends, http_host=host, log_level=log_level,
                       kv_connector=kv_connector,
                       kv_backend=kv_backend, tenants_file=tenants.resolve() if tenants else None, models=pools,
-                      lora_modules=loras)
+                      lora_modules=loras, max_loras=max_loras, lora_affinity=lora_affinity)
     if tenants is not None:
         from splitserve.tenancy.config import load_tenants
 

@@ -9,8 +9,10 @@ start time and sums prompt / completion / cached tokens per tenant, counting eac
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -27,6 +29,7 @@ from splitserve.proto import (
     StreamError,
     Subjects,
 )
+from splitserve.proto.admin import LoraAdminReply, LoraAdminRequest
 
 
 async def queue_report(nc: NATS, timeout: float = 5.0) -> QueueReport:
@@ -42,6 +45,38 @@ async def route_explain(nc: NATS, req: RouteExplainRequest, timeout: float = 5.0
         err = proto.decode(resp.data, StreamError)
         raise errors.from_wire(err)
     return proto.decode(resp.data, RouteExplainReply)
+
+
+async def lora_admin(nc: NATS, req: LoraAdminRequest, *, settle_s: float = 1.0,
+                     timeout: float = 30.0) -> list[LoraAdminReply]:
+    """Every answering worker's reply to an operator's LoRA load / unload (``ss.admin.lora``): collected until
+    ``settle_s`` passes with no new one after the first (a load may take a while: up to ``timeout``)."""
+    inbox = nc.new_inbox()
+    replies: list[LoraAdminReply] = []
+    got = asyncio.Event()
+
+    async def cb(msg: Any) -> None:
+        try:
+            replies.append(proto.decode(msg.data, LoraAdminReply))
+        except proto.ProtocolError:
+            return
+        got.set()
+
+    sub = await nc.subscribe(inbox, cb=cb)
+    try:
+        await nc.publish(Subjects.ADMIN_LORA, proto.encode(req), reply=inbox)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got.clear()
+            wait = settle_s if replies else deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(got.wait(), timeout=max(0.01, wait))
+            except TimeoutError:
+                if replies:
+                    break
+    finally:
+        await sub.unsubscribe()
+    return sorted(replies, key=lambda r: r.worker_id)
 
 
 @dataclass

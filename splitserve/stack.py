@@ -123,6 +123,8 @@ class StackConfig:
     long_prompt_tokens: int = 2048
     max_stall_ms: float = 100.0
     max_migrations: int = 2  # the routers' --max-migrations
+    max_loras: int = 0  # the workers' --max-loras (0: every adapter loaded at start)
+    lora_affinity: bool = True  # the routers' --lora-affinity
     http_port: int = 8000  # the OpenAI-compatible front door; 0 (or taken) = a free port
     # Front door processes (frontend-0 ..) on that one port: while one drains or restarts the others accept.
     frontends: int = 2
@@ -229,7 +231,8 @@ class Stack:
         def model_args(pool: ModelPool) -> list[str]:
             return [*(["--model", pool.model] if pool.model else []),
                     *(["--served-model-name", pool.name] if pool.name else []),
-                    *(a for name, path in pool.lora_modules for a in ("--lora-modules", f"{name}={path}"))]
+                    *(a for name, path in pool.lora_modules for a in ("--lora-modules", f"{name}={path}")),
+                    *(["--max-loras", str(c.max_loras)] if c.max_loras and pool.lora_modules else [])]
 
         def worker_args(role: str, i: int, pool: ModelPool) -> list[str]:
             n, cores = counts[role], pools.get(role)
@@ -248,7 +251,8 @@ class Stack:
 
         # Colocated: there is nowhere else to send a prompt, so no stall limit (decoders chunk instead).
         router_extra = ["--max-stall-ms", "0" if c.colocated else str(c.max_stall_ms),
-                        "--long-prompt-tokens", str(c.long_prompt_tokens), "--max-migrations", str(c.max_migrations)]
+                        "--long-prompt-tokens", str(c.long_prompt_tokens), "--max-migrations", str(c.max_migrations),
+                        *([] if c.lora_affinity else ["--no-lora-affinity"])]
         out = [Child(f"router-{i}", "router", py + ["splitserve.services.router", "--worker-id", f"router-{i}",
                                                     "--strategy",
                                                     c.strategy, "--disagg-threshold",

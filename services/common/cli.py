@@ -13,6 +13,8 @@ ServedModelName = typer.Option(None, help="the name this worker serves its model
                                "which routers match requests' model against; default: the engine's model name)")
 LoraModules = typer.Option([], "--lora-modules", help="a LoRA adapter to load at start, NAME=PATH (a PEFT "
                            "folder; repeatable): requests whose model is NAME run with it (hf engine)")
+MaxLoras = typer.Option(0, "--max-loras", min=0, help="LoRA adapters loaded at once: each on first use, the least "
+                        "recently used unloaded to make room (0: every --lora-modules adapter, at start)")
 Threads = typer.Option(None, help="torch intra-op threads")
 BlockSize = typer.Option(16, help="KV block size in tokens")
 Transport = typer.Option("nixl", help="KV transport: nixl | tcp")

@@ -27,6 +27,8 @@ class EngineOptions:
     served_model_name: str | None = None
     # LoRA adapters loaded at start, (name, path) each (``--lora-modules NAME=PATH``, as vLLM spells it)
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # At most this many loaded at once, each on first use (LRU; services.common.adapters); 0: all, at start
+    max_loras: int = 0
 
     def model_name(self, engine_name: str) -> str:
         """The served model's name: ``served_model_name`` when set, else the engine's own name."""
@@ -49,7 +51,8 @@ class EngineOptions:
 
         self.apply_threads()
         engine = load_engine(self.engine, model=self.model, dtype=self.dtype)
-        for name, path in self.lora_modules:
-            engine.load_lora(name, path)
+        if not self.max_loras:
+            for name, path in self.lora_modules:
+                engine.load_lora(name, path)
         return engine
 

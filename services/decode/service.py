@@ -31,7 +31,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from splitserve.cache.store import PrefixKvStore
-from splitserve.engines import KvSource, PrefillResult, PromptTooLong, Sampling, TokenLogprobs
+from splitserve.engines import KvSource, PrefillResult, PromptTooLong, Sampling, TokenLogprobs, UnknownAdapter
 from splitserve.engines.detok import IncrementalDetokenizer, StopChecker
 from splitserve.kv import BlockPool, make_receiver
 from splitserve.kv.transport import usable_transport
@@ -56,8 +56,10 @@ from splitserve.proto import (
     WorkerLoad,
     now_ms,
 )
+from splitserve.proto.admin import LoraAdminRequest
 from splitserve.routing.load import decoder_load
 from splitserve.runtime.service import Service
+from splitserve.services.common.adapters import AdapterBusy, AdapterSlots, on_lora_admin
 from splitserve.services.common.engine_thread import EngineThread
 from splitserve.services.common.handoff import Handoffs
 from splitserve.services.common.kvcache import KvEventPublisher, kv_layout
@@ -174,6 +176,8 @@ class DecodeService(Service):
     # --- lifecycle ------------------------------------------------------------------------------------
     async def setup(self) -> None:
         self.engine = await self.thread.run(self.opts.load)
+        self.adapters = AdapterSlots(self.opts.lora_modules, self.opts.max_loras, self.thread.run)
+        self.adapters.started(self.engine.loras())
         info = self.engine.info
         self.layout = kv_layout(info, self.opts.block_size)
         self.pool = BlockPool(self.layout, self.layout.blocks_for_tokens(self.landing_tokens))
@@ -193,6 +197,7 @@ class DecodeService(Service):
         await b.subscribe(Subjects.kv_reserve(self.worker_id), KvReserveRequest, self.on_reserve)
         await b.subscribe(Subjects.kv_ready(self.worker_id), PrefillDone, self.on_kv_ready, concurrent=True)
         await b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel, scoped=True)
+        await b.subscribe(Subjects.ADMIN_LORA, LoraAdminRequest, self.on_lora_admin)
         await b.subscribe(Subjects.revoke(self.worker_id), RevokeJob, self.on_revoke)
         if self.kv_events is not None:
             await self.kv_events.start()
@@ -273,7 +278,8 @@ class DecodeService(Service):
             return {"engine": self.opts.engine, "transport": self.opts.transport, "pool": self.pool_name}
         return {"engine": self.opts.engine, "model": self.model_name,
                 "max_model_len": self.engine.info.max_model_len, "transport": self.opts.transport,
-                "block_size": self.opts.block_size, "pool": self.pool_name, "adapters": self.engine.loras()}
+                "block_size": self.opts.block_size, "pool": self.pool_name, "adapters": self.adapters.loaded(),
+                "adapters_available": self.adapters.available()}
 
     # --- inputs ---------------------------------------------------------------------------------------
     def _is_revoked(self, job: DecodeJob) -> bool:
@@ -342,6 +348,9 @@ class DecodeService(Service):
         await self.b.respond(msg, KvReserveReply(request_id=req.request_id, ok=True, transfer_id=tid,
                                                  block_ids=blocks, descriptor=desc,
                                                  lease_ms=self.lease_s * 1000))
+
+    async def on_lora_admin(self, req: LoraAdminRequest, msg: Msg) -> None:
+        await on_lora_admin(self, req, msg)
 
     async def on_cancel(self, c: CancelRequest, _: Msg) -> None:
         key = c.key
@@ -443,8 +452,8 @@ class DecodeService(Service):
     async def _engine_loop(self) -> None:
         while not self._stopping:
             try:
-                if self.pending and len(self.active) < self.max_batch:
-                    await self._admit(self.pending.popleft())
+                if self.pending and len(self.active) < self.max_batch and (adm := self._next_admissible()):
+                    await self._admit(adm)
                     continue
                 if self.active:
                     await self._step()
@@ -459,6 +468,17 @@ class DecodeService(Service):
                     with contextlib.suppress(Exception):  # the engine may be what is broken
                         await self._drop(seq.job.key)
                     await self._error(seq.job, ErrorCode.INTERNAL, f"decode engine failed: {exc}")
+
+    def _next_admissible(self) -> Admission | None:
+        """The first pending job whose LoRA adapter can be made ready without waiting (loaded, a free slot, or one
+        to evict that no running sequence holds): the others stay pending while the batch steps on, which is
+        what frees their slots (admitting one that has to wait would stall every stream; --max-loras)."""
+        held = {seq.job.lora for seq in self.active.values() if seq.job.lora is not None}
+        for i, adm in enumerate(self.pending):
+            if self.adapters.can_admit(adm.job.lora, held):
+                del self.pending[i]
+                return adm
+        return None
 
     def _release(self, adm: Admission) -> None:
         if adm.blocks is not None:
@@ -490,6 +510,14 @@ class DecodeService(Service):
             return
         if job.deadline_ms is not None and now_ms() > job.deadline_ms:
             await self._finish_unstarted(job, "expired")
+            return
+        try:
+            await self.adapters.ensure(self.engine, job.lora)  # (loaded on first use: --max-loras)
+        except UnknownAdapter as exc:
+            await self._error(job, ErrorCode.MODEL_NOT_FOUND, str(exc))
+            return
+        except AdapterBusy as exc:
+            await self._error(job, ErrorCode.BUSY, str(exc))
             return
         sampling = engine_sampling(job.sampling, len(job.prompt_token_ids), self.engine.info.eos_token_ids)
         kv, first, prefill_ms = adm.kv, adm.first_token, adm.prefill_ms

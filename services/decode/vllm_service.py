@@ -54,6 +54,9 @@ class VllmDecodeService(DecodeService):
     async def setup(self) -> None:
         from splitserve.engines.vllm_engine import VllmEngine
 
+        if self.opts.lora_modules:  # refused, not ignored: requests for them would never find a worker
+            raise ValueError("--lora-modules: LoRA adapters are served by the hf engine (the vllm engine: not yet)")
+
         cfg = vllm_config(self.opts, self.vopts, role="decode", max_num_seqs=self.max_batch,
                           worker_id=self.worker_id)
         self.engine = await VllmEngine.start(cfg)  # type: ignore[assignment]

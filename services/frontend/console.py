@@ -32,7 +32,7 @@ from pydantic import BaseModel, Field, model_validator
 from starlette.exceptions import HTTPException
 
 from splitserve import errors
-from splitserve.proto.admin import MAX_EXPLAIN_STRATEGIES
+from splitserve.proto.admin import MAX_EXPLAIN_STRATEGIES, LoraAdminRequest
 from splitserve.proto.subjects import check_token
 from splitserve.services.frontend.app import AuthThrottle, bearer_key
 from splitserve.services.frontend.console_data import ConsoleData
@@ -145,8 +145,19 @@ def _not_found(message: str) -> JSONResponse:
                                    "code": "not_found"}}, status_code=404)
 
 
-def console_router(data: ConsoleData, auth: ConsoleAuth) -> APIRouter:
+class LoraBody(BaseModel):
+    """vLLM's runtime LoRA request body (``lora_path`` for a load only), and the base model whose workers act
+    (None: every worker)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str | None = Field(default=None, max_length=4096)
+    model: str | None = Field(default=None, max_length=256)
+
+
+def console_router(data: ConsoleData, auth: ConsoleAuth) -> tuple[APIRouter, APIRouter]:
+    """The console's API, and the runtime LoRA endpoints at vLLM's paths (admin key; installed beside it)."""
     api = APIRouter(prefix="/console/api")
+    lora_api = APIRouter()
 
     def principal(request: Request) -> Principal:
         # Failed keys count against the front door's per-address budget (when it has one): the console is
@@ -231,12 +242,42 @@ def console_router(data: ConsoleData, auth: ConsoleAuth) -> APIRouter:
                                                            strategies=body.strategies or None))
         return out
 
-    return api
+    async def lora_change(body: LoraBody, action: str) -> JSONResponse:
+        try:
+            req = LoraAdminRequest(action=action, lora_name=body.lora_name,  # type: ignore[arg-type]
+                                   lora_path=body.lora_path if action == "load" else None, model=body.model)
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+        replies = await nats_call(data.lora_admin(req))
+        workers = [{"worker": r.worker_id, "ok": r.ok, "message": r.message, "adapters": r.adapters}
+                   for r in replies]
+        if not replies:
+            raise HTTPException(503, "no worker answered" + (f" for model {body.model!r}" if body.model else ""))
+        failed = [w for w in workers if not w["ok"]]
+        # vLLM answers 200 on success and 400 when the adapter cannot be loaded/unloaded: the same here, with
+        # each worker's own answer (a partial success names the workers that refused)
+        return JSONResponse({"lora_name": body.lora_name, "action": action, "ok": not failed, "workers": workers},
+                            status_code=400 if failed else 200)
+
+    # vLLM's runtime LoRA endpoints (its --enable-lora + VLLM_ALLOW_RUNTIME_LORA_UPDATING), for operators only
+    @api.post("/lora/load", include_in_schema=False)
+    @lora_api.post("/v1/load_lora_adapter")
+    async def load_lora(body: LoraBody, _: Principal = Depends(admin)) -> JSONResponse:
+        return await lora_change(body, "load")
+
+    @api.post("/lora/unload", include_in_schema=False)
+    @lora_api.post("/v1/unload_lora_adapter")
+    async def unload_lora(body: LoraBody, _: Principal = Depends(admin)) -> JSONResponse:
+        return await lora_change(body, "unload")
+
+    return api, lora_api
 
 
 def install(app: FastAPI, data: ConsoleData, auth: ConsoleAuth) -> None:
     """Serve the console on ``app``: the pages at /console, their assets, and the API."""
-    app.include_router(console_router(data, auth))
+    api, lora_api = console_router(data, auth)
+    app.include_router(api)
+    app.include_router(lora_api)
     app.mount("/console/static", StaticFiles(directory=STATIC), name="console-static")
 
     @app.get("/console", include_in_schema=False)

@@ -29,6 +29,7 @@ from splitserve.obs import tracing, waterfall
 from splitserve.obs.log import get_logger
 from splitserve.obs.metrics import ClusterMetrics
 from splitserve.proto import ChatMessage, QueueReport, RouteExplainRequest
+from splitserve.proto.admin import LoraAdminReply, LoraAdminRequest
 from splitserve.tenancy.config import TenantsConfig
 
 log = get_logger("frontend.console")
@@ -274,6 +275,9 @@ class ConsoleData:
         return {"request_id": rid, "trace_id": picked[0]["trace_id"], "duration_ms": (t1 - t0) / 1e6,
                 "rows": waterfall.rows(picked), "decision": decision_of(picked), "kv": kv, "errors": errors,
                 "spans": picked}
+
+    async def lora_admin(self, req: LoraAdminRequest) -> list[LoraAdminReply]:
+        return await ops.lora_admin(self.nc(), req)
 
     async def explain(self, *, prompt: str, chat: bool, session_id: str | None, tenant: str,
                       strategies: list[str] | None) -> dict[str, Any]:

@@ -289,7 +289,7 @@ class FrontendService(Service):
         out: dict[str, str] = {}
         for hb in self.registry.live("decode", time.monotonic()):
             if hb.model:
-                for a in hb.adapters:
+                for a in (*hb.adapters, *hb.adapters_available):
                     out.setdefault(a, hb.model)
         return dict(sorted(out.items()))
 

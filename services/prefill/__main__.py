@@ -26,6 +26,7 @@ def main(
     model: str | None = cli.Model,
     served_model_name: str | None = cli.ServedModelName,
     lora_modules: list[str] = cli.LoraModules,
+    max_loras: int = cli.MaxLoras,
     dtype: str = cli.Dtype,
     threads: int | None = cli.Threads,
     block_size: int = cli.BlockSize,
@@ -52,7 +53,7 @@ def main(
 
     opts = EngineOptions(engine=engine, model=model, dtype=dtype, threads=threads, block_size=block_size,
                          transport=transport, cpus=parse_cpus(cpus), served_model_name=served_model_name,
-                         lora_modules=_loras(lora_modules))
+                         lora_modules=_loras(lora_modules), max_loras=max_loras)
     if engine == "vllm":
         from splitserve.services.common.vllm_worker import VllmOptions
         from splitserve.services.prefill.vllm_service import VllmPrefillService

@@ -34,7 +34,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from splitserve.cache.store import PrefixKvStore
-from splitserve.engines import Engine, LayerHook, PrefillRequest, PrefillResult, PromptTooLong, Sampling
+from splitserve.engines import Engine, LayerHook, PrefillRequest, PrefillResult, PromptTooLong, Sampling, UnknownAdapter
 from splitserve.kv import BlockPool, make_sender
 from splitserve.kv.transport import usable_transport
 from splitserve.obs import tracing
@@ -56,9 +56,11 @@ from splitserve.proto import (
     WorkerLoad,
     now_ms,
 )
+from splitserve.proto.admin import LoraAdminRequest
 from splitserve.routing.load import prefiller_load
 from splitserve.runtime.service import Service
 from splitserve.services.common import handoff
+from splitserve.services.common.adapters import AdapterBusy, AdapterSlots, on_lora_admin
 from splitserve.services.common.engine_thread import EngineThread
 from splitserve.services.common.kvcache import KvEventPublisher, kv_layout
 from splitserve.services.common.options import EngineOptions
@@ -196,6 +198,8 @@ class PrefillService(Service):
 
     async def setup(self) -> None:
         self.engine = await self.thread.run(self.opts.load)
+        self.adapters = AdapterSlots(self.opts.lora_modules, self.opts.max_loras, self.thread.run)
+        self.adapters.started(self.engine.loras())
         info = self.engine.info
         self.layout = kv_layout(info, self.opts.block_size)
         # Staging holds one prompt's KV at a time: size it for the longest prompt the model takes.
@@ -214,6 +218,7 @@ class PrefillService(Service):
     async def start(self) -> None:
         await self.b.subscribe(Subjects.prefill_job(self.worker_id), PrefillJob, self.on_job)
         await self.b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel, scoped=True)
+        await self.b.subscribe(Subjects.ADMIN_LORA, LoraAdminRequest, self.on_lora_admin)
         if self.kv_events is not None:
             await self.kv_events.start()
         self._loop_task = self.b.spawn(self._loop())
@@ -263,8 +268,11 @@ class PrefillService(Service):
                                  "block_size": self.opts.block_size}
         if hasattr(self, "engine"):
             extra.update(model=self.model_name, max_model_len=self.engine.info.max_model_len,
-                         adapters=self.engine.loras())
+                         adapters=self.adapters.loaded(), adapters_available=self.adapters.available())
         return extra
+
+    async def on_lora_admin(self, req: LoraAdminRequest, msg: Msg) -> None:
+        await on_lora_admin(self, req, msg)
 
     async def on_cancel(self, c: CancelRequest, _: Msg) -> None:
         # Only a queued job is dropped here; one being computed finishes its push and the decoder, which
@@ -443,6 +451,7 @@ class PrefillService(Service):
                 member = _GATHER.get()
                 batch = 1
                 try:
+                    await self.adapters.ensure(self.engine, job.lora)  # (loaded on first use: --max-loras)
                     if member is not None and not layerwise:
                         gather, key = member
                         res = await gather.prefill(key, ids, sampling, job.cache_salt, job.lora)
@@ -453,6 +462,10 @@ class PrefillService(Service):
                                                     push_layer if layerwise else None, job.cache_salt, job.lora)
                 except PromptTooLong as exc:
                     raise JobFailed(ErrorCode.PROMPT_TOO_LONG, str(exc)) from None
+                except UnknownAdapter as exc:
+                    raise JobFailed(ErrorCode.MODEL_NOT_FOUND, str(exc)) from None
+                except AdapterBusy as exc:
+                    raise JobFailed(ErrorCode.BUSY, str(exc)) from None
                 prefill_ms = (time.perf_counter() - t0) * 1000
                 csp.set_attribute("prefill.tokens", len(ids))
                 csp.set_attribute("prefill.cached_tokens", len(ids) - res.num_computed_tokens)

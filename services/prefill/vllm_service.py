@@ -49,6 +49,9 @@ class VllmPrefillService(PrefillService):
     async def setup(self) -> None:
         from splitserve.engines.vllm_engine import VllmEngine
 
+        if self.opts.lora_modules:  # refused, not ignored: requests for them would never find a worker
+            raise ValueError("--lora-modules: LoRA adapters are served by the hf engine (the vllm engine: not yet)")
+
         cfg = vllm_config(self.opts, self.vopts, role="prefill", max_num_seqs=4, worker_id=self.worker_id)
         if cfg.kv_connector is None:
             raise ValueError("a vLLM prefill worker needs a KV connector (--kv-connector nixl|lmcache)")

@@ -38,6 +38,9 @@ def main(
                                         "request id: longer than any request waits or runs"),
     max_migrations: int = typer.Option(2, min=0, help="times a request whose worker died is moved to another "
                                        "one before it ends with worker_died (0: never moved)"),
+    lora_affinity: bool = typer.Option(True, "--lora-affinity/--no-lora-affinity", help="send a LoRA adapter's "
+                                       "requests to workers that have it loaded, unless they are much busier "
+                                       "(--no-lora-affinity: to any worker that can load it; for comparison)"),
     log_level: str = typer.Option("INFO"),
     drain_timeout_s: float = cli.DrainTimeout,
 ) -> None:
@@ -54,6 +57,7 @@ def main(
                               decoder_prefill_tps=decoder_prefill_tps, tenants_file=tenants, queue=queue,
                               queue_ack_wait_s=queue_ack_wait_s, long_prompt_tokens=long_prompt_tokens,
                               request_ttl_s=request_ttl_s, max_migrations=max_migrations, log_level=log_level,
+                              lora_affinity=lora_affinity,
                               drain_timeout_s=drain_timeout_s))
 
 

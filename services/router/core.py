@@ -39,6 +39,7 @@ from splitserve.proto import (
     WorkerLoad,
 )
 from splitserve.routing import Decision, RoutingRequest, WorkerView
+from splitserve.routing.adapters import adapter_views
 from splitserve.routing.book import RECENT_ENDS_KEPT, Flight, RequestBook
 from splitserve.routing.live import live_disagg, view_from_load
 from splitserve.routing.router import Router
@@ -120,11 +121,13 @@ class RouterCore(Service):
         long_prompt_tokens: int = 2048,
         request_ttl_s: float = 900.0,
         max_migrations: int = 2,
+        lora_affinity: bool = True,
         **kw: object,
     ) -> None:
         super().__init__(worker_id, nats_url, **kw)  # type: ignore[arg-type]
         self.clock: Callable[[], float] = time.monotonic  # every part's notion of now (tests set their own)
         self.max_migrations = max_migrations
+        self.lora_affinity = lora_affinity  # prefer workers with a request's adapter loaded (routing.adapters)
         self._intake_subs: list[Any] = []
         # The served models (--model, repeatable: NAME=PATH or PATH; the first is the default)
         self.models = ModelTable([model] if isinstance(model, str) or model is None else list(model))
@@ -314,7 +317,8 @@ class RouterCore(Service):
     def _live(self, role: str, model: str, now: float, lora: str | None = None) -> list[Heartbeat]:
         """The live workers of a role that serve ``model`` (and have the LoRA adapter ``lora`` loaded)."""
         of = self.models.model_of
-        return [hb for hb in self.registry.live(role, now) if of(hb) == model and (lora is None or lora in hb.adapters)]
+        return [hb for hb in self.registry.live(role, now) if of(hb) == model
+                and (lora is None or lora in hb.adapters or lora in hb.adapters_available)]
 
 
     async def _wait_for_decoders(self, model: str) -> list[Heartbeat]:
@@ -354,12 +358,17 @@ class RouterCore(Service):
         """The policy's decision for ``req`` over ``token_ids`` (its prompt, or prompt + tokens so far when it
         moves) among the workers live now; raises NoWorkers."""
         model = self.models.served(req.model).name
-        views = [self._view(hb) for hb in (self._live("decode", model, now, req.lora)
-                                           + self._live("prefill", model, now, req.lora))]
+        decoders, prefillers = self._live("decode", model, now, req.lora), self._live("prefill", model, now, req.lora)
+        views, affinity = adapter_views([self._view(hb) for hb in decoders], [self._view(hb) for hb in prefillers],
+                                        {hb.worker_id for hb in decoders + prefillers if req.lora in hb.adapters},
+                                        req.lora is not None and self.lora_affinity)
         rreq = RoutingRequest(request_id=req.key, tenant=req.tenant, token_ids=token_ids,
                               session_key=req.session_id, force_route=None if req.route == "auto" else req.route,
                               cache_salt=salt)
-        return self.policy.decide(rreq, views, now)
+        decision = self.policy.decide(rreq, views, now)
+        if req.lora is not None:  # the route explanation says which adapter, and why these workers
+            decision.detail["adapter"] = {"name": req.lora, "affinity": affinity or "off"}
+        return decision
 
     @staticmethod
     def _view(hb: Heartbeat) -> WorkerView:

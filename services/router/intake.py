@@ -150,7 +150,8 @@ class Intake(RouterCore):
     def _resolve_model(self, req: GenerateRequest) -> tuple[ServedModel, str | None] | str:
         """(served model, LoRA adapter or None) of a request, or why it names nothing served: ``model`` names a
         served model, else an adapter a live decoder has loaded (its base model is that decoder's); with one
-        served model any other name is that model (as before adapters). A ``lora`` the caller set itself must
+        served model, also the name its decoders announce (a mock engine's, a folder's: the front door passes
+        what the decoders announce). A ``lora`` the caller set itself must
         be loaded on a worker of ``model``. (The router serves only after it has heard every live worker.)"""
         now = self.clock()
         served, lora = None, req.lora
@@ -162,8 +163,8 @@ class Intake(RouterCore):
             served = named
         elif (base := self._adapter_base(req.model, now)) is not None:
             served, lora = self.models.served(base), req.model
-        elif self.models.single:
-            served = self.models.default
+        elif self.models.single and any(hb.model == req.model for hb in self.registry.live("decode", now)):
+            served = self.models.default  # the one model, by the name its decoders announce (mock-..., a path)
         if served is not None and lora is not None and not self._live("decode", served.name, now, lora):
             return f"LoRA adapter {lora!r} is not loaded on any live worker of model {served.name!r}"
         if served is None:
@@ -174,13 +175,14 @@ class Intake(RouterCore):
     def _adapter_base(self, name: str, now: float) -> str | None:
         """The served model a LoRA adapter of that name is loaded on (a live decoder's), or None."""
         for hb in self.registry.live("decode", now):
-            if name in hb.adapters and (model := self.models.model_of(hb)) is not None:
+            if (name in hb.adapters or name in hb.adapters_available) and (model := self.models.model_of(hb)):
                 return model
         return None
 
     def served_names(self, now: float) -> list[str]:
         """The names a request may ask for: the served models, then the adapters live decoders have loaded."""
-        adapters = {a for hb in self.registry.live("decode", now) if self.models.model_of(hb) for a in hb.adapters}
+        adapters = {a for hb in self.registry.live("decode", now) if self.models.model_of(hb)
+                    for a in (*hb.adapters, *hb.adapters_available)}
         return self.models.names() + sorted(adapters - set(self.models.names()))
 
     def _intake_gate(self, raw: Msg) -> StreamError | None:

@@ -5,8 +5,8 @@ that names none). Each worker serves one model and names it in its heartbeat (``
 ``--served-model-name``). With several models a request is routed only among the workers that announce its
 model, waits in its model's queue lanes (``proto.model_pool``), and its prefix-cache salt is scoped to the model
 (no cache hit across models). With one model every worker is that model's (whatever name it announces: a mock
-or vLLM worker names the same files differently) and any requested name is taken as that model, as before: the
-front door checks names against what the decoders announce.
+or vLLM worker names the same files differently), and a request may name it by the router's name or by the name
+its decoders announce (intake; an unknown name is refused).
 """
 
 from __future__ import annotations

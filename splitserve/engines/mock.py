@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 WARNING = "mock engine: not a model; deterministic fake tokens for control-plane load tests"
 STEP_MS_ENV = "SPLITSERVE_MOCK_STEP_MS"
 PREFILL_TPS_ENV = "SPLITSERVE_MOCK_PREFILL_TPS"
+# What loading one LoRA adapter costs (ms, spent in load_lora): the control plane's adapter benchmark measures
+# what on-demand loads do to latency (on a GPU, tens to hundreds of ms per adapter).
+LORA_LOAD_MS_ENV = "SPLITSERVE_MOCK_LORA_LOAD_MS"
 DEFAULT_STEP_MS = 5.0
 DEFAULT_PREFILL_TPS = 50_000.0
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -248,6 +251,9 @@ class MockEngine(HfTokenizerMixin, Engine):
             raise ValueError(f"an adapter name must be a non-empty string, not {name!r}")
         if name in self._loras:
             raise ValueError(f"adapter {name!r} is loaded already (unload it first)")
+        load_ms = _knob(None, LORA_LOAD_MS_ENV, 0.0)
+        if load_ms > 0:
+            time.sleep(load_ms / 1000)  # (the engine thread: a load holds the engine, as a real one does)
         self._loras[name] = Path(path)
 
     def unload_lora(self, name: str) -> None:

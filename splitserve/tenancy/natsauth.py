@@ -251,8 +251,9 @@ DECODE = Permissions(
         "ss.decode.*.revoke",  # the router takes a job back (request)
         Subjects.CANCEL_ALL,  # cancels of any tenant's requests (checked against the subject's tenant)
         "ss.kv.*.held",  # an index resyncing its view of this worker (request)
+        Subjects.ADMIN_LORA,  # the operator loads / unloads a LoRA adapter (request)
     ),
-    allow_responses=True,  # answers reserve, revoke and held requests
+    allow_responses=True,  # answers reserve, revoke, held and LoRA admin requests
 )
 
 PREFILL = Permissions(
@@ -272,8 +273,9 @@ PREFILL = Permissions(
         "ss.prefill.*.job",  # jobs routed to it
         Subjects.CANCEL_ALL,  # cancels
         "ss.kv.*.held",  # an index resyncing its view of this worker (request)
+        Subjects.ADMIN_LORA,  # the operator loads / unloads a LoRA adapter (request)
     ),
-    allow_responses=True,  # answers held requests
+    allow_responses=True,  # answers held and LoRA admin requests
 )
 
 CACHE_INDEX = Permissions(
@@ -306,6 +308,7 @@ FRONTEND = Permissions(
         f"{_JS}.DIRECT.GET.{Subjects.RESULTS_STREAM}.>",  # a stream's stored end (recovery after a gap)
         Subjects.ADMIN_QUEUES,  # request: the console's tenants view
         Subjects.ADMIN_ROUTE_EXPLAIN,  # request: the console's routing explorer
+        Subjects.ADMIN_LORA,  # request: an operator's runtime LoRA load / unload (admin key)
         *_ordered_reader(Subjects.USAGE_STREAM),  # the console's usage view (reads SS_USAGE)
         *_ordered_reader(TRACES_STREAM),  # the console's request traces (reads SS_TRACES)
         f"{_JS}.STREAM.NAMES",  # nats-py looks up the stream of the subject it reads

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from opentelemetry import trace
@@ -154,21 +155,24 @@ ADAPTER_WORKERS = (("d1", "decode", "alpha", ["x"]), ("d2", "decode", "alpha", [
                    ("p1", "prefill", "alpha", ["x"]), ("p2", "prefill", "alpha", []))
 
 
-async def _adapter_router(tmp_path: Path, models: list[str] | None = None) -> tuple[RouterService, RecordingBus]:
+async def _adapter_router(tmp_path: Path, models: list[str] | None = None, workers: tuple[Any, ...] = ADAPTER_WORKERS,
+                          **kw: Any) -> tuple[RouterService, RecordingBus]:
     tf = tmp_path / "tenants.yaml"
     tf.write_text("tenants:\n  A: {}\n  C:\n    models: [alpha]\n")
     svc = RouterService("router-l", "nats://127.0.0.1:1", model=models or ["alpha=bundled", "beta=bundled"],
                         strategy="roundrobin", disagg_threshold=10_000, max_stall_ms=None, queue=False,
-                        tenants_file=str(tf), no_worker_wait_s=0.1)
+                        tenants_file=str(tf), no_worker_wait_s=0.1, **kw)
     svc.models.load_tokenizers()
     svc.make_policy()
     svc.wq = SimpleNamespace(pending_by_tenant=lambda pool=None: {})  # type: ignore[assignment]
     bus = RecordingBus()
     svc.bus = bus  # type: ignore[assignment]
-    for wid, role, model, adapters in ADAPTER_WORKERS:
+    for wid, role, model, adapters, *rest in workers:
+        available, active = (rest + [[], 0])[:2] if rest else ([], 0)
         await svc.on_heartbeat(proto.Heartbeat(
             worker_id=wid, role=role, seq=0, pid=1, interval_ms=1000, model=model, max_model_len=2048,
-            adapters=adapters, load=proto.WorkerLoad(max_seqs=4)), None)  # type: ignore[arg-type]
+            adapters=adapters, adapters_available=available,
+            load=proto.WorkerLoad(max_seqs=16, active_seqs=active)), None)  # type: ignore[arg-type]
     return svc, bus
 
 
@@ -210,5 +214,32 @@ async def test_one_model_routes_an_adapter_name_to_its_adapter(tmp_path: Path) -
     svc, bus = await _adapter_router(tmp_path, models=["bundled"])
     (job,) = await _intake(svc, bus, _req("r1", "x"))
     assert isinstance(job, proto.DecodeJob) and (job.decoder_id, job.lora) == ("d1", "x")
-    (job,) = await _intake(svc, bus, _req("r2", "anything-else"))  # any other name: the one model, as before
+    (job,) = await _intake(svc, bus, _req("r2", "alpha"))  # the name its decoders announce: the one model
     assert isinstance(job, proto.DecodeJob) and job.lora is None
+    (err,) = await _intake(svc, bus, _req("r3", "no-such-adapter"))  # a typo is refused, not served by the base
+    assert isinstance(err, proto.StreamError) and err.code == proto.ErrorCode.MODEL_NOT_FOUND
+
+
+async def test_on_demand_adapters_go_where_they_are_loaded_until_that_worker_is_much_busier(tmp_path: Path) -> None:
+    """--max-loras: workers list the adapters they may load; a request goes to one with its adapter loaded (no
+    load, no eviction) unless that one is much busier; round robin over all that may load it without affinity."""
+    workers = (("d1", "decode", "alpha", ["x"], ["x", "y"], 0), ("d2", "decode", "alpha", [], ["x", "y"], 0))
+    svc, bus = await _adapter_router(tmp_path, models=["alpha=bundled"], workers=workers)
+    for i in range(4):
+        (job,) = await _intake(svc, bus, _req(f"x{i}", "x"))
+        assert isinstance(job, proto.DecodeJob) and (job.decoder_id, job.lora) == ("d1", "x")
+        assert job.decision["detail"]["adapter"] == {"name": "x", "affinity": {"decode": "loaded",
+                                                                               "prefill": "load"}}
+    (job,) = await _intake(svc, bus, _req("y0", "y"))  # loaded nowhere: available on both, either loads it
+    assert isinstance(job, proto.DecodeJob) and job.decision["detail"]["adapter"]["affinity"]["decode"] == "load"
+    busy = (("d1", "decode", "alpha", ["x"], ["x", "y"], 12), ("d2", "decode", "alpha", [], ["x", "y"], 0))
+    svc, bus = await _adapter_router(tmp_path, models=["alpha=bundled"], workers=busy)
+    (job,) = await _intake(svc, bus, _req("xs", "x"))
+    assert isinstance(job, proto.DecodeJob) and job.decision["detail"]["adapter"]["affinity"]["decode"] == "spill"
+    svc, bus = await _adapter_router(tmp_path, models=["alpha=bundled"], workers=workers, lora_affinity=False)
+    seen = set()
+    for i in range(4):
+        (job,) = await _intake(svc, bus, _req(f"rr{i}", "x"))
+        assert isinstance(job, proto.DecodeJob)
+        seen.add(job.decoder_id)
+    assert seen == {"d1", "d2"}  # without affinity: round robin over every worker that may load it

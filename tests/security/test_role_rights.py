@@ -148,6 +148,7 @@ async def test_decode_cannot_inject_requests_write_quotas_or_the_queue(server: N
     dec = await _as(server, conns, "decode")
     for subject in ("ss.req.A", "$KV.SS_QUOTA.A", "$KV.SS_REQUESTS.r1", "ss.q.A.m-1.p0", "ss.prefill.p0.job",
                     "ss.decode.d1.job", "ss.hb.router.router-0", "ss.trace.spans.router", "ss.admin.queues",
+                    "ss.admin.lora",
                     "ss.routed.router-0", "ss.evt.bounced.A.r1", "ss.cancel.A",
                     "$JS.API.STREAM.CREATE.SS_RESULTS", "$JS.API.STREAM.DELETE.SS_USAGE",
                     f"$JS.API.STREAM.UPDATE.{TRACES_STREAM}",  # it may create the span stream, never change it

@@ -164,8 +164,9 @@ async def test_tenant_cannot_subscribe_to_what_is_not_its_own(subject: str, rout
     assert got == []
 
 
-@pytest.mark.parametrize("subject", ["ss.q.A.m-1.p0", "ss.admin.queues", "ss.decode.d0.job", "ss.prefill.p0.job",
-                                     "ss.kv.w0", "ss.hb.decode.d0", "ss.stream.A.r1", "ss.cancel.B",
+@pytest.mark.parametrize("subject", ["ss.q.A.m-1.p0", "ss.admin.queues", "ss.admin.lora", "ss.decode.d0.job",
+                                     "ss.prefill.p0.job", "ss.kv.w0", "ss.hb.decode.d0", "ss.stream.A.r1",
+                                     "ss.cancel.B",
                                      "$JS.API.STREAM.INFO.SS_RESULTS", "$JS.API.STREAM.MSG.GET.SS_RESULTS",
                                      "$JS.API.DIRECT.GET.SS_RESULTS", "$JS.API.INFO"])
 async def test_tenant_cannot_publish_elsewhere(subject: str, router: NATS, tenant_a: Tenant) -> None:
