@@ -76,6 +76,7 @@ HEAVY_FIRST = (  # longest first (wall seconds of each file in a CI run of the s
     "tests/deploy/test_k8s_local.py",  # 78
     "tests/e2e/test_ecosystem_stack.py",  # 63
     "tests/frontend/test_frontdoor_restart.py",  # 60
+    "tests/engines/test_lora.py",  # 60 (the bundled model's HF export, then peft references)
     "tests/sched/test_routers.py",  # 58
     "tests/tracing/test_e2e_trace.py",  # 54
     "tests/security/test_cache_side_channel.py",  # 53

@@ -25,7 +25,7 @@ from splitserve.proto import (
     StreamError,
 )
 from splitserve.runtime.bus import PayloadTooLarge, reply_allowed
-from splitserve.services.router.core import RouterCore
+from splitserve.services.router.core import REGISTRY_WARMUP_S, RouterCore
 from splitserve.services.router.models import ServedModel
 from splitserve.services.router.tokenize import PromptTokenizer
 
@@ -90,6 +90,14 @@ class Intake(RouterCore):
                                "distinct tenants without a tenants file", retry_after_s=5.0)
             return
         resolved = self._resolve_model(req)
+        deadline = self.clock() + self.no_worker_wait_s
+        while isinstance(resolved, str) and self._cold() and self.clock() < deadline:
+            # Just started, or no decoder heard yet: the name may be one the decoders announce in a moment (a
+            # restarted router must not refuse the model the front door names), so wait as for a decoder.
+            self._worker_change.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._worker_change.wait(), timeout=max(0.05, deadline - self.clock()))
+            resolved = self._resolve_model(req)
         if isinstance(resolved, str):
             await self._reject(req, msg, ErrorCode.MODEL_NOT_FOUND, resolved)
             return
@@ -171,6 +179,11 @@ class Intake(RouterCore):
             return (f"model {req.model!r} is not served here; served models and adapters: "
                     f"{', '.join(self.served_names(now))}")
         return served, lora
+
+    def _cold(self) -> bool:
+        """Whether this router may not have heard every live worker yet (its warm-up, or no decoder at all)."""
+        now = self.clock()
+        return now - self._started < REGISTRY_WARMUP_S or not self.registry.live("decode", now)
 
     def _adapter_base(self, name: str, now: float) -> str | None:
         """The served model a LoRA adapter of that name is loaded on (a live decoder's), or None."""

@@ -5,6 +5,7 @@ tenant's contract leaves out. With one model, nothing changes: every worker is i
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -243,3 +244,18 @@ async def test_on_demand_adapters_go_where_they_are_loaded_until_that_worker_is_
         assert isinstance(job, proto.DecodeJob)
         seen.add(job.decoder_id)
     assert seen == {"d1", "d2"}  # without affinity: round robin over every worker that may load it
+
+
+async def test_a_router_that_just_started_waits_for_the_decoders_to_announce_the_name(tmp_path: Path) -> None:
+    """A restarted router hears a request naming what the decoders announce before it has heard them: it waits
+    (as it waits for a decoder) instead of refusing the very model the front door names."""
+    svc, bus = await _adapter_router(tmp_path, models=["bundled"], workers=())
+    svc.no_worker_wait_s = 5.0
+    task = asyncio.ensure_future(_intake(svc, bus, _req("early", "alpha")))
+    await asyncio.sleep(0.2)
+    assert not task.done()
+    await svc.on_heartbeat(proto.Heartbeat(worker_id="d1", role="decode", seq=0, pid=1, interval_ms=1000,
+                                           model="alpha", max_model_len=2048,
+                                           load=proto.WorkerLoad(max_seqs=4)), None)  # type: ignore[arg-type]
+    (job,) = await asyncio.wait_for(task, 5)
+    assert isinstance(job, proto.DecodeJob) and job.decoder_id == "d1"
