@@ -783,8 +783,8 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None, docs
 
     def choose_model(requested: str | None) -> tuple[str, str | None, int | None]:
         """(the name answered with, the name the request travels with, that model's max_model_len) for the
-        body's ``model``. It must be a served one when any is known (else 404 listing them); none named: the
-        only one, or with several the first (``served_models``' order: sorted by name)."""
+        body's ``model``. It must be a served one or an adapter when any is known (else 404 listing them); none
+        named: the only one, or with several the first (``served_models``' order: the routers' default first)."""
         served = served_models()
         if served:
             if requested:
