@@ -47,10 +47,11 @@ async def route_explain(nc: NATS, req: RouteExplainRequest, timeout: float = 5.0
     return proto.decode(resp.data, RouteExplainReply)
 
 
-async def lora_admin(nc: NATS, req: LoraAdminRequest, *, settle_s: float = 1.0,
+async def lora_admin(nc: NATS, req: LoraAdminRequest, *, expected: int | None = None, settle_s: float = 1.0,
                      timeout: float = 30.0) -> list[LoraAdminReply]:
     """Every answering worker's reply to an operator's LoRA load / unload (``ss.admin.lora``): collected until
-    ``settle_s`` passes with no new one after the first (a load may take a while: up to ``timeout``)."""
+    ``expected`` replies came (when known), else until ``settle_s`` passes with no new one after the first (a
+    load may take a while: up to ``timeout``)."""
     inbox = nc.new_inbox()
     replies: list[LoraAdminReply] = []
     got = asyncio.Event()
@@ -66,9 +67,9 @@ async def lora_admin(nc: NATS, req: LoraAdminRequest, *, settle_s: float = 1.0,
     try:
         await nc.publish(Subjects.ADMIN_LORA, proto.encode(req), reply=inbox)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and (expected is None or len(replies) < expected):
             got.clear()
-            wait = settle_s if replies else deadline - time.monotonic()
+            wait = settle_s if replies and expected is None else deadline - time.monotonic()
             try:
                 await asyncio.wait_for(got.wait(), timeout=max(0.01, wait))
             except TimeoutError:

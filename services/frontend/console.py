@@ -245,14 +245,16 @@ def console_router(data: ConsoleData, auth: ConsoleAuth) -> tuple[APIRouter, API
     async def lora_change(body: LoraBody, action: str) -> JSONResponse:
         try:
             req = LoraAdminRequest(action=action, lora_name=body.lora_name,  # type: ignore[arg-type]
-                                   lora_path=body.lora_path if action == "load" else None, model=body.model)
+                                   lora_path=body.lora_path if action == "load" else None, model=body.model or None)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
         replies = await nats_call(data.lora_admin(req))
         workers = [{"worker": r.worker_id, "ok": r.ok, "message": r.message, "adapters": r.adapters}
                    for r in replies]
         if not replies:
-            raise HTTPException(503, "no worker answered" + (f" for model {body.model!r}" if body.model else ""))
+            if body.model:  # no live worker serves that model
+                raise HTTPException(404, f"no live worker serves model {body.model!r}")
+            raise HTTPException(503, "no worker answered")
         failed = [w for w in workers if not w["ok"]]
         # vLLM answers 200 on success and 400 when the adapter cannot be loaded/unloaded: the same here, with
         # each worker's own answer (a partial success names the workers that refused)

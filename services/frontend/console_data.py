@@ -277,7 +277,16 @@ class ConsoleData:
                 "spans": picked}
 
     async def lora_admin(self, req: LoraAdminRequest) -> list[LoraAdminReply]:
-        return await ops.lora_admin(self.nc(), req)
+        """Every targeted worker's answer: the live decoders and prefillers of ``req.model`` (all, without one) as
+        their heartbeats show them. None targeted: no request at all (an unknown model answers at once)."""
+        now = time.monotonic()
+        stale = self.metrics.stale_s
+        targets = [hb for hb, seen in list(self.metrics.workers.values())
+                   if now - seen <= stale and hb.role in ("decode", "prefill") and hb.state == "ready"
+                   and (req.model is None or hb.model == req.model)]
+        if not targets:
+            return []
+        return await ops.lora_admin(self.nc(), req, expected=len(targets))
 
     async def explain(self, *, prompt: str, chat: bool, session_id: str | None, tenant: str,
                       strategies: list[str] | None) -> dict[str, Any]:
