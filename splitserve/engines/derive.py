@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +43,7 @@ def derivation(keep_layers: int, drop_from: int) -> dict[str, Any]:
 
 def is_derived(out: Path, *, keep_layers: int = KEEP_LAYERS, drop_from: int = DROP_FROM) -> bool:
     """Whether ``out`` holds this derivation already."""
-    try:
-        return bool(json.loads((Path(out) / MARKER).read_text()) == derivation(keep_layers, drop_from))
-    except (OSError, ValueError):
-        return False
+    return holds(out, MARKER, derivation(keep_layers, drop_from))
 
 
 def derive_model(out: Path, *, keep_layers: int = KEEP_LAYERS, drop_from: int = DROP_FROM) -> Path:
@@ -57,18 +55,36 @@ def derive_model(out: Path, *, keep_layers: int = KEEP_LAYERS, drop_from: int = 
     out = Path(out).expanduser().absolute()
     if keep_layers < 1 or not 0 <= drop_from <= keep_layers:
         raise ValueError(f"keep_layers must be >= 1 and drop_from 0..keep_layers, not {keep_layers} and {drop_from}")
-    if is_derived(out, keep_layers=keep_layers, drop_from=drop_from):
+    return write_once(out, MARKER, derivation(keep_layers, drop_from),
+                      lambda tmp: _derive(tmp, keep_layers, drop_from), "a derived model folder")
+
+
+def holds(out: Path, marker_name: str, marker: dict[str, Any]) -> bool:
+    """Whether the folder ``out`` holds what ``marker`` describes (its marker file says so)."""
+    try:
+        return bool(json.loads((Path(out) / marker_name).read_text()) == marker)
+    except (OSError, ValueError):
+        return False
+
+
+def write_once(out: Path, marker_name: str, marker: dict[str, Any], make: Callable[[Path], None],
+               what: str) -> Path:
+    """Make the folder ``out`` with ``make`` (called on a temp folder beside it, then renamed into place, under a
+    file lock) unless it holds ``marker`` already; a folder with another marker (or an empty one) is replaced,
+    anything else is left alone (FileExistsError naming ``what`` it is not). Shared by the derived model and
+    the test adapters."""
+    if holds(out, marker_name, marker):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out.parent / f".{out.name}.lock")):
-        if is_derived(out, keep_layers=keep_layers, drop_from=drop_from):  # made while we waited
+        if holds(out, marker_name, marker):  # made while we waited
             return out
-        if out.exists() and not (out / MARKER).is_file() and not (out.is_dir() and not any(out.iterdir())):
-            raise FileExistsError(f"{out} exists and is not a derived model folder: not overwriting it")
+        if out.exists() and not (out / marker_name).is_file() and not (out.is_dir() and not any(out.iterdir())):
+            raise FileExistsError(f"{out} exists and is not {what}: not overwriting it")
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
         try:
-            _derive(tmp, keep_layers, drop_from)
-            (tmp / MARKER).write_text(json.dumps(derivation(keep_layers, drop_from), indent=1) + "\n")
+            make(tmp)
+            (tmp / marker_name).write_text(json.dumps(marker, indent=1) + "\n")
             _ordinary_modes(tmp)
             if out.exists():  # another derivation (or an empty folder): replaced
                 old = Path(tempfile.mkdtemp(prefix=f".{out.name}-old-", dir=out.parent))

@@ -29,8 +29,6 @@ import json
 import math
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from splitserve.engines.base import UnknownAdapter
+from splitserve.engines.derive import holds, write_once
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -346,10 +345,7 @@ def recipe(seed: int, r: int, alpha: int, target_modules: Sequence[str]) -> dict
 
 
 def is_made(out: Path, **params: Any) -> bool:
-    try:
-        return bool(json.loads((Path(out) / MARKER).read_text()) == recipe(**params))
-    except (OSError, ValueError):
-        return False
+    return holds(out, MARKER, recipe(**params))
 
 
 def make_test_adapter(out: Path, *, seed: int, r: int = 8, alpha: int = DEFAULT_ALPHA,
@@ -362,35 +358,13 @@ def make_test_adapter(out: Path, *, seed: int, r: int = 8, alpha: int = DEFAULT_
     base model's and from each other's while staying text (at the default rank and alpha). Atomic (a temp
     folder renamed into place); nothing is done when ``out`` holds this recipe already, a folder of another
     recipe is replaced, anything else at ``out`` is left alone (FileExistsError). Needs peft (a dev extra)."""
-    from filelock import FileLock
-
     out = Path(out).expanduser().absolute()
     params: dict[str, Any] = {"seed": seed, "r": r, "alpha": int(alpha), "target_modules": tuple(target_modules)}
     if r < 1 or alpha <= 0 or not target_modules:
         raise ValueError(f"r must be >= 1, alpha > 0 and target_modules non-empty, not {r}, {alpha}, "
                          f"{list(target_modules)}")
-    if is_made(out, **params):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out.parent / f".{out.name}.lock")):
-        if is_made(out, **params):
-            return out
-        if out.exists() and not (out / MARKER).is_file() and not (out.is_dir() and not any(out.iterdir())):
-            raise FileExistsError(f"{out} exists and is not a test adapter folder: not overwriting it")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-        try:
-            _make(tmp, seed, r, int(alpha), list(target_modules))
-            (tmp / MARKER).write_text(json.dumps(recipe(**params), indent=1) + "\n")
-            _ordinary_modes(tmp)
-            if out.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{out.name}-old-", dir=out.parent))
-                os.rename(out, old / "x")
-                shutil.rmtree(old, ignore_errors=True)
-            os.rename(tmp, out)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return write_once(out, MARKER, recipe(**params),
+                      lambda tmp: _make(tmp, seed, r, int(alpha), list(target_modules)), "a test adapter folder")
 
 
 def _make(out: Path, seed: int, r: int, alpha: int, target_modules: list[str]) -> None:
@@ -415,15 +389,6 @@ def _make(out: Path, seed: int, r: int, alpha: int, target_modules: list[str]) -
     model.peft_config["default"].base_model_name_or_path = BUNDLED_FILE
     model.save_pretrained(str(out), safe_serialization=True, save_embedding_layers=False)
     (out / "README.md").unlink(missing_ok=True)  # peft's model-card stub: nothing in it for a test adapter
-
-
-def _ordinary_modes(folder: Path) -> None:
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
-    for path in folder.iterdir():
-        if path.is_file():
-            os.chmod(path, 0o666 & ~umask)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
