@@ -74,13 +74,15 @@ class WorkerRegistry:
     def reap(self, now: float, observer: str | None = None) -> list[tuple[str, str]]:
         """Workers that just died (missed heartbeats or announced stop) with a reason; each reported once.
 
-        ``observer``: the caller's own worker id. Its own heartbeats travel through NATS like everyone's; if
-        they look overdue too, the caller's event loop is what lagged (heartbeats are queued, unprocessed),
-        so nobody is declared dead this round.
+        ``observer``: the caller's own worker id. Its own heartbeats travel through NATS like everyone's; however
+        late they look beyond one interval is how long the caller itself was not reading (its event loop or its
+        whole machine stalled, heartbeats queued unprocessed), and that much is forgiven every other worker: a
+        2 s stall of the observer is not a 2 s silence of the workers.
         """
+        lag = 0.0
         me = self.workers.get(observer) if observer else None
-        if me is not None and now - me.last_seen > self.timeout_for(me):
-            return []
+        if me is not None:
+            lag = max(0.0, now - me.last_seen - me.hb.interval_ms / 1000.0)
         dead, self._replaced = self._replaced, []
         for wid, st in self.workers.items():
             if st.dead_reason is not None or not st.was_ready:
@@ -88,7 +90,7 @@ class WorkerRegistry:
             # A draining worker still finishes what it holds; only a stopped or silent one has died.
             if st.hb.state == "stopped":
                 st.dead_reason = f"{st.hb.role} worker {wid} is {st.hb.state}"
-            elif now - st.last_seen > self.timeout_for(st):
+            elif now - st.last_seen - lag > self.timeout_for(st):
                 st.dead_reason = (
                     f"{st.hb.role} worker {wid} stopped heartbeating "
                     f"(last seen {now - st.last_seen:.1f}s ago)"

@@ -123,6 +123,24 @@ def test_a_lagging_observer_declares_nobody_dead() -> None:
     assert [d[0] for d in dead] == ["d0"]
 
 
+def test_an_observer_stall_shorter_than_the_timeout_is_forgiven_too() -> None:
+    """The whole machine (or the router's loop) froze for 2.2 s. The router's own last heartbeat, in another phase,
+    is 1.8 s old, still under the 2 s timeout; a worker's is 2.2 s old. The worker was no more silent than the
+    router: no verdict. (CI saw exactly this: decode-0 and prefill-0 declared dead together, both 2.1-2.2 s.)"""
+    r = WorkerRegistry()
+    me = Heartbeat(worker_id="router-0", role="router", seq=1, interval_ms=500, pid=1)
+    r.observe(_hb(1), now=0.0)
+    r.observe(me, now=0.4)
+    assert r.reap(2.2, observer="router-0") == []
+    r.observe(_hb(2), now=2.25)  # the queued heartbeats are read
+    r.observe(me.model_copy(update={"seq": 2}), now=2.25)
+    assert r.reap(2.5, observer="router-0") == []
+    # With the router current, a worker silent past the timeout is dead as before.
+    r.observe(me.model_copy(update={"seq": 3}), now=4.4)
+    dead = r.reap(4.5, observer="router-0")
+    assert [d[0] for d in dead] == ["d0"] and "2.2s" in dead[0][1]
+
+
 def test_up_routers_starts_that_many_replicas() -> None:
     kids = {c.name: c for c in _stack([0, 1], routers=3)._children()}
     routers = sorted(n for n, c in kids.items() if c.role == "router")
