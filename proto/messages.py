@@ -516,6 +516,10 @@ class RequestFinished(Message, TenantRequest):
     itl_ms: list[float] = Field(default_factory=list)  # inter-token gaps at the decoder (at most 512 kept)
     kv_bytes: int | None = None  # KV moved from a prefiller for this request
     finish_reason: str | None = None  # the stream's finish reason (stop / length / cancelled / expired)
+    # The served model and the LoRA adapter the request ran with, for usage and metrics by model (added in v1 with
+    # defaults: None where the publisher does not know, e.g. a request refused before it was resolved).
+    model: str | None = Field(default=None, max_length=256)
+    lora: str | None = Field(default=None, max_length=256)
 
 
 # ---------------------------------------------------------------------------------------------- workers

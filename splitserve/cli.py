@@ -90,9 +90,7 @@ def _load_up_config(ctx: typer.Context, param: Any, value: Path | None) -> Path 
 
 
 # A config's `models:` list: one pool of workers per served model (splitserve.stack.ModelPool).
-MODEL_POOL_KEYS = ("name", "model", "prefill", "decode", "lora_modules")
-# Settings a later slice may make per model; until then they are the whole stack's (top-level keys).
-STACK_WIDE_KEYS = ("strategy", "disagg_threshold")
+MODEL_POOL_KEYS = ("name", "model", "prefill", "decode", "lora_modules", "strategy", "disagg_threshold")
 
 
 def _lora_pairs(value: Any, where: str) -> tuple[tuple[str, str], ...]:
@@ -124,9 +122,6 @@ def _model_pools(data: Any) -> list[Any]:
         fields: dict[str, Any] = {}
         for key, v in item.items():
             k = str(key).replace("-", "_")
-            if k in STACK_WIDE_KEYS:
-                raise ValueError(f"models[{i}]: per-model {key!r} is not supported; set it once for the whole "
-                                 f"stack (a top-level {key!r} key or --{k.replace('_', '-')})")
             if k not in MODEL_POOL_KEYS:
                 raise ValueError(f"models[{i}]: unknown key {key!r}; the keys are {', '.join(MODEL_POOL_KEYS)}")
             fields[k] = v
@@ -590,15 +585,20 @@ def usage(
     nats_url: str | None = NatsUrlOpt,
     since: str = typer.Option("24h", "--since", help="how far back: e.g. 15m, 24h, 7d, or 'all'"),
     tenant: str | None = typer.Option(None, "--tenant", help="only this tenant"),
-    as_json: bool = typer.Option(False, "--json", help="print per-tenant totals as JSON"),
+    by: str = typer.Option("tenant", "--by", help="rows per tenant, per tenant and model ('model'), or per "
+                           "tenant, model and LoRA adapter ('adapter')"),
+    as_json: bool = typer.Option(False, "--json", help="print the totals as JSON (by tenant: an object keyed by "
+                                 "tenant; by model or adapter: a list of rows)"),
 ) -> None:
-    """Usage metering: per tenant, requests and prompt / completion / cached tokens, summed from every
-    request's RequestFinished event (kept a week in the SS_USAGE stream)."""
+    """Usage metering: per tenant (and model, adapter), requests and prompt / completion / cached tokens, summed
+    from every request's RequestFinished event (kept a week in the SS_USAGE stream)."""
     from rich.console import Console
     from rich.table import Table
 
-    from splitserve.ops import read_usage, sum_usage
+    from splitserve.ops import USAGE_GROUPS, read_usage, usage_rows
 
+    if by not in USAGE_GROUPS:
+        raise typer.BadParameter(f"--by {by!r}: one of {', '.join(USAGE_GROUPS)}")
     since_s = _duration_s(since)
 
     async def go() -> None:
@@ -610,16 +610,21 @@ def usage(
                 raise errors.Unavailable(f"cannot read the usage stream: {exc}") from None
         finally:
             await nc.close()
-        totals = sum_usage(events)
+        rows = usage_rows(events, by)
         if as_json:
-            print(json.dumps({t: u.to_dict() for t, u in sorted(totals.items())}, indent=2))
+            if by == "tenant":
+                print(json.dumps({u.tenant: u.to_dict() for u in rows}, indent=2))
+            else:
+                print(json.dumps([u.to_dict() for u in rows], indent=2))
             return
         t = Table(title=f"usage, {'all kept' if since_s is None else 'last ' + since}")
-        for col in ("tenant", "requests", "ok", "errors", "cancelled", "expired", "prompt tokens",
-                    "completion tokens", "cached tokens"):
-            t.add_column(col, justify="left" if col == "tenant" else "right")
-        for name, u in sorted(totals.items()):
-            t.add_row(name, str(u.requests), str(u.ok), str(u.errors), str(u.cancelled), str(u.expired),
+        keys = list(USAGE_GROUPS[:USAGE_GROUPS.index(by) + 1])
+        for col in (*keys, "requests", "ok", "errors", "cancelled", "expired", "prompt tokens", "completion tokens",
+                    "cached tokens"):
+            t.add_column(col, justify="left" if col in keys else "right")
+        for u in rows:
+            names = [u.tenant, u.model or "-", u.adapter or "-"][:len(keys)]
+            t.add_row(*names, str(u.requests), str(u.ok), str(u.errors), str(u.cancelled), str(u.expired),
                       f"{u.prompt_tokens:,}", f"{u.completion_tokens:,}", f"{u.cached_tokens:,}")
         Console().print(t)
 

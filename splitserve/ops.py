@@ -82,6 +82,10 @@ async def lora_admin(nc: NATS, req: LoraAdminRequest, *, expected: int | None = 
 
 @dataclass
 class TenantUsage:
+    """Totals of one row: a tenant, or (grouped by model) a tenant's use of a model, or of one adapter of it.
+    ``model`` / ``adapter`` are None where the row is not grouped by them or the events did not say (a request
+    refused before its model was resolved)."""
+
     tenant: str
     requests: int = 0
     ok: int = 0
@@ -92,23 +96,39 @@ class TenantUsage:
     completion_tokens: int = 0
     cached_tokens: int = 0
     by_error: dict[str, int] = field(default_factory=dict)
+    model: str | None = None
+    adapter: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def sum_usage(events: list[RequestFinished]) -> dict[str, TenantUsage]:
-    """Per tenant totals. A request can end with more than one event (a cancel seen by the router and by a
-    worker): the one with usage, else the last, counts."""
+USAGE_GROUPS = ("tenant", "model", "adapter")  # ``usage --by``: each one splits the rows of the one before
+
+
+def _last_per_request(events: list[RequestFinished]) -> list[RequestFinished]:
+    """A request can end with more than one event (a cancel seen by the router and by a worker): the one with
+    usage, else the last, counts."""
     last: dict[tuple[str, str], RequestFinished] = {}
     for ev in events:
         key = (ev.tenant, ev.request_id)
         prev = last.get(key)
         if prev is None or ev.usage is not None or prev.usage is None:
             last[key] = ev
-    out: dict[str, TenantUsage] = {}
-    for (tenant, _), ev in last.items():
-        u = out.setdefault(tenant, TenantUsage(tenant))
+    return list(last.values())
+
+
+def usage_rows(events: list[RequestFinished], by: str = "tenant") -> list[TenantUsage]:
+    """Totals per tenant (``by="tenant"``), per tenant and model (``"model"``), or per tenant, model and LoRA
+    adapter (``"adapter"``; the base model's row has adapter None), sorted."""
+    if by not in USAGE_GROUPS:
+        raise ValueError(f"usage by {by!r}: one of {', '.join(USAGE_GROUPS)}")
+    depth = USAGE_GROUPS.index(by)
+    out: dict[tuple[str, str | None, str | None], TenantUsage] = {}
+    for ev in _last_per_request(events):
+        model = ev.model if depth >= 1 else None
+        adapter = ev.lora if depth >= 2 else None
+        u = out.setdefault((ev.tenant, model, adapter), TenantUsage(ev.tenant, model=model, adapter=adapter))
         u.requests += 1
         if ev.status == "ok":
             u.ok += 1
@@ -124,7 +144,12 @@ def sum_usage(events: list[RequestFinished]) -> dict[str, TenantUsage]:
             u.prompt_tokens += ev.usage.prompt_tokens
             u.completion_tokens += ev.usage.completion_tokens
             u.cached_tokens += ev.usage.cached_tokens
-    return out
+    return [out[k] for k in sorted(out, key=lambda k: (k[0], k[1] or "", k[2] or ""))]
+
+
+def sum_usage(events: list[RequestFinished]) -> dict[str, TenantUsage]:
+    """Per tenant totals (:func:`usage_rows` by tenant, keyed by tenant)."""
+    return {u.tenant: u for u in usage_rows(events)}
 
 
 async def read_usage(nc: NATS, *, since_s: float | None = None, tenant: str | None = None,

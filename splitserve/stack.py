@@ -56,6 +56,9 @@ class ModelPool:
     decode: int = 1
     # LoRA adapters its workers load at start: (name, PEFT folder) each (``--lora-modules NAME=PATH``)
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # Its own routing strategy and disaggregation threshold (None: the stack's --strategy / --disagg-threshold)
+    strategy: str | None = None
+    disagg_threshold: int | None = None
 
     def check(self) -> None:
         """ValueError naming what is wrong with this pool."""
@@ -73,6 +76,15 @@ class ModelPool:
             raise ValueError(f"model {self.name!r}: prefill must be a whole number >= 0, not {self.prefill!r}")
         if isinstance(self.decode, bool) or not isinstance(self.decode, int) or self.decode < 1:
             raise ValueError(f"model {self.name!r}: decode must be a whole number >= 1, not {self.decode!r}")
+        if self.strategy is not None:
+            from splitserve.routing.registry import available
+
+            if self.strategy not in available():
+                raise ValueError(f"model {self.name!r}: unknown routing strategy {self.strategy!r}; available: "
+                                 f"{', '.join(available())}")
+        dt = self.disagg_threshold
+        if dt is not None and (isinstance(dt, bool) or not isinstance(dt, int) or dt < 0):
+            raise ValueError(f"model {self.name!r}: disagg_threshold must be a whole number >= 0, not {dt!r}")
         names = [n for n, _ in self.lora_modules]
         if len(set(names)) != len(names) or self.name in names:
             raise ValueError(f"model {self.name!r}: LoRA adapter names must be unique and not the model's name")
@@ -155,6 +167,17 @@ class StackConfig:
         """Every pool of workers: the configured models, else the one pool of the flags (named "": it passes no
         --served-model-name)."""
         return list(self.models) or [ModelPool("", self.model, self.prefill, self.decode, self.lora_modules)]
+
+    def router_model_policies(self) -> list[str]:
+        """The routers' per-model settings: ``--model-strategy NAME=S`` / ``--model-disagg-threshold NAME=N`` for
+        each pool that sets its own (colocated: no threshold, every prompt stays on its decoder)."""
+        out = []
+        for p in self.models:
+            if p.strategy is not None:
+                out += ["--model-strategy", f"{p.name}={p.strategy}"]
+            if p.disagg_threshold is not None and not self.colocated:
+                out += ["--model-disagg-threshold", f"{p.name}={p.disagg_threshold}"]
+        return out
 
     def router_models(self) -> list[str]:
         """The routers' --model values: ``NAME=PATH`` per pool in order (PATH ``bundled`` for the bundled
@@ -258,6 +281,7 @@ class Stack:
                                                     c.strategy, "--disagg-threshold",
                                                     str(10**9 if c.colocated else c.disagg_threshold), *router_extra,
                                                     *(a for m in c.router_models() for a in ("--model", m)),
+                                                    *c.router_model_policies(),
                                                     *tenants,
                                                     *common],
                      self.logs / f"router-{i}.log") for i in range(max(1, c.routers))]

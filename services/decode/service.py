@@ -379,7 +379,7 @@ class DecodeService(Service):
         await self.b.publish(Subjects.finished(job.tenant, job.request_id), RequestFinished(
             request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id,
             status=reason,  # type: ignore[arg-type]
-            usage=usage, route=job.route))
+            usage=usage, route=job.route, model=self.model_name, lora=job.lora))
 
     async def on_kv_ready(self, done: PrefillDone, msg: Msg) -> None:
         if not await self.handoffs.take(self.b, done, msg):
@@ -712,7 +712,7 @@ class DecodeService(Service):
             request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id,
             status=status,  # type: ignore[arg-type]
             usage=usage, route=job.route, timings=seq.timings, itl_ms=[round(g, 3) for g in gaps],
-            kv_bytes=seq.kv_bytes, finish_reason=reason))
+            kv_bytes=seq.kv_bytes, finish_reason=reason, model=self.model_name, lora=job.lora))
         sp = self.stream_spans.pop(job.key, None)
         if sp is None:
             sp = trace.INVALID_SPAN
@@ -754,4 +754,4 @@ class DecodeService(Service):
                                                              message=message, worker=self.worker_id))
         await self.b.publish(Subjects.finished(job.tenant, job.request_id), RequestFinished(
             request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id, status="error",
-            error_code=code, route=job.route))
+            error_code=code, route=job.route, model=self.model_name, lora=job.lora))

@@ -235,9 +235,10 @@ class ConsoleData:
 
         async def fetch() -> dict[str, Any]:
             events = await ops.read_usage(self.nc(), since_s=since_s, tenant=tenant, idle_timeout=1.0)
-            return {t: u.to_dict() for t, u in sorted(ops.sum_usage(events).items())}
+            return {"tenants": {t: u.to_dict() for t, u in sorted(ops.sum_usage(events).items())},
+                    "by_model": [u.to_dict() for u in ops.usage_rows(events, "adapter")]}
 
-        return {"since_s": since_s, "tenants": await cache.get(fetch)}
+        return {"since_s": since_s, **await cache.get(fetch)}
 
     async def spans(self) -> list[dict[str, Any]]:
         return await self._spans.get(lambda: tracing.read_spans(self.nc()))

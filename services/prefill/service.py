@@ -289,7 +289,7 @@ class PrefillService(Service):
                     decision=job.decision, model=self.model_name))
                 await self.b.publish(Subjects.finished(job.tenant, job.request_id), RequestFinished(
                     request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id, status="cancelled",
-                    usage=usage, route=job.route))
+                    usage=usage, route=job.route, model=self.model_name, lora=job.lora))
                 return
 
     async def on_job(self, job: PrefillJob, msg: Msg) -> None:
@@ -579,4 +579,4 @@ class PrefillService(Service):
                                                              worker=self.worker_id))
         await self.b.publish(Subjects.finished(job.tenant, job.request_id), RequestFinished(
             request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id, status="error",
-            error_code=code, route=job.route))
+            error_code=code, route=job.route, model=self.model_name, lora=job.lora))

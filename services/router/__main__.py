@@ -41,23 +41,32 @@ def main(
     lora_affinity: bool = typer.Option(True, "--lora-affinity/--no-lora-affinity", help="send a LoRA adapter's "
                                        "requests to workers that have it loaded, unless they are much busier "
                                        "(--no-lora-affinity: to any worker that can load it; for comparison)"),
+    model_strategy: list[str] = typer.Option([], "--model-strategy", help="NAME=STRATEGY (repeatable): the "
+                                             "routing strategy of one served model (the rest use --strategy)"),
+    model_disagg_threshold: list[str] = typer.Option([], "--model-disagg-threshold", help="NAME=TOKENS "
+                                                     "(repeatable): one served model's disaggregation threshold "
+                                                     "(the rest use --disagg-threshold)"),
     log_level: str = typer.Option("INFO"),
     drain_timeout_s: float = cli.DrainTimeout,
 ) -> None:
-    from splitserve.services.router.models import ModelTable
+    from splitserve.services.router.models import ModelTable, parse_model_policies
     from splitserve.services.router.service import RouterService
 
     try:
-        ModelTable(list(model) or None)  # a wrong --model is a clear error here, not a traceback
+        table = ModelTable(list(model) or None)  # a wrong --model is a clear error here, not a traceback
     except (ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--model") from None
+    try:
+        policies = table.check_policies(parse_model_policies(model_strategy, model_disagg_threshold))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model-strategy / --model-disagg-threshold") from None
     run_service(RouterService(worker_id, nats_url, model=model or None, strategy=strategy,
                               disagg_threshold=disagg_threshold, no_worker_wait_s=no_worker_wait_s,
                               max_stall_ms=max_stall_ms if max_stall_ms > 0 else None,
                               decoder_prefill_tps=decoder_prefill_tps, tenants_file=tenants, queue=queue,
                               queue_ack_wait_s=queue_ack_wait_s, long_prompt_tokens=long_prompt_tokens,
                               request_ttl_s=request_ttl_s, max_migrations=max_migrations, log_level=log_level,
-                              lora_affinity=lora_affinity,
+                              lora_affinity=lora_affinity, model_policies=policies,
                               drain_timeout_s=drain_timeout_s))
 
 

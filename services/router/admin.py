@@ -62,5 +62,5 @@ class Admin(RouterCore):
         live = self._live("decode", served.name, now) + self._live("prefill", served.name, now)
         salt = self._cache_salt(GenerateRequest(request_id="explain", tenant=req.tenant, prompt_token_ids=[0],
                                                 cache_salt=req.cache_salt, model=served.name))
-        await self.b.respond(msg, explain.answer(self.worker_id, self.policy, req, ids, live, self._view, now,
-                                                 cache_salt=salt))
+        await self.b.respond(msg, explain.answer(self.worker_id, self.policy.of(served.name), req, ids, live,
+                                                 self._view, now, cache_salt=salt))

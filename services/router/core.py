@@ -42,7 +42,7 @@ from splitserve.routing import Decision, RoutingRequest, WorkerView
 from splitserve.routing.adapters import adapter_views
 from splitserve.routing.book import RECENT_ENDS_KEPT, Flight, RequestBook
 from splitserve.routing.live import live_disagg, view_from_load
-from splitserve.routing.router import Router
+from splitserve.routing.policies import PolicySet
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
 from splitserve.runtime.workqueue import WorkQueue
@@ -100,7 +100,7 @@ class RouterCore(Service):
     requests: RequestRegistry
     shared_quota: SharedQuota
     index: PrefixIndex
-    policy: Router
+    policy: PolicySet
 
     def __init__(
         self,
@@ -122,6 +122,7 @@ class RouterCore(Service):
         request_ttl_s: float = 900.0,
         max_migrations: int = 2,
         lora_affinity: bool = True,
+        model_policies: dict[str, tuple[str | None, int | None]] | None = None,
         **kw: object,
     ) -> None:
         super().__init__(worker_id, nats_url, **kw)  # type: ignore[arg-type]
@@ -129,10 +130,9 @@ class RouterCore(Service):
         self.max_migrations = max_migrations
         self.lora_affinity = lora_affinity  # prefer workers with a request's adapter loaded (routing.adapters)
         self._intake_subs: list[Any] = []
-        # The served models (--model, repeatable: NAME=PATH or PATH; the first is the default)
-        self.models = ModelTable([model] if isinstance(model, str) or model is None else list(model))
+        self.models = ModelTable([model] if isinstance(model, str) or model is None else list(model))  # --model
         self.strategy_name = strategy
-        self.disagg_threshold = disagg_threshold
+        self.model_policies = self.models.check_policies(model_policies or {})  # model -> (strategy, threshold)
         self.results_ttl_s = results_ttl_s
         self.disagg = live_disagg(disagg_threshold, max_stall_ms, decoder_prefill_tps)
         self.long_prompt_tokens = long_prompt_tokens
@@ -263,20 +263,20 @@ class RouterCore(Service):
                 tracing.set_attrs(sp, request_id=inf.request_id, tenant=inf.tenant, error_code=str(code),
                                   failed_worker=worker)
                 tracing.record_error(sp, message)
-                await self._publish_failure(inf.request_id, inf.tenant, inf.stream_subject, code, message, worker)
+                await self._publish_failure(inf.request_id, inf.tenant, inf.stream_subject, code, message, worker,
+                                            inf.request)
             return
-        await self._publish_failure(inf.request_id, inf.tenant, inf.stream_subject, code, message, worker)
+        await self._publish_failure(inf.request_id, inf.tenant, inf.stream_subject, code, message, worker, inf.request)
 
     async def _publish_failure(self, request_id: str, tenant: str, stream_subject: str, code: ErrorCode,
-                               message: str, worker: str | None = None) -> None:
+                               message: str, worker: str | None = None, req: GenerateRequest | None = None) -> None:
         err = StreamError(request_id=request_id, code=code, message=message, worker=worker,
                           retryable=code in (ErrorCode.WORKER_DIED, ErrorCode.NO_WORKERS))
         await self.b.publish(stream_subject, err)
         await self.b.publish(
             Subjects.finished(tenant, request_id),
-            RequestFinished(request_id=request_id, tenant=tenant, worker_id=self.worker_id,
-                            status="error", error_code=code),
-        )
+            RequestFinished(request_id=request_id, tenant=tenant, worker_id=self.worker_id, status="error",
+                            error_code=code, model=req.model if req else None, lora=req.lora if req else None))
 
     async def _track(self, inf: Inflight, req: GenerateRequest, job: DecodeJob) -> None:
         """Remember the job and follow the request's stream (before the job goes out, so no delta is missed):
@@ -365,7 +365,7 @@ class RouterCore(Service):
         rreq = RoutingRequest(request_id=req.key, tenant=req.tenant, token_ids=token_ids,
                               session_key=req.session_id, force_route=None if req.route == "auto" else req.route,
                               cache_salt=salt)
-        decision = self.policy.decide(rreq, views, now)
+        decision = self.policy.decide(rreq, views, now, model)
         if req.lora is not None:  # the route explanation says which adapter, and why these workers
             decision.detail["adapter"] = {"name": req.lora, "affinity": affinity or "off"}
         return decision

@@ -230,7 +230,7 @@ class Dispatch(RouterCore):
             self._accepted_meta.pop(req.key, None)
             await self._publish_failure(rid, req.tenant, req.stream_subject, ErrorCode.INTERNAL,
                                         f"the request was handed to a router {MAX_DELIVERIES} times and none "
-                                        "finished dispatching it")
+                                        "finished dispatching it", req=req)
             await self._settle(mine, new_rev, "error", None)
             await qmsg.ack()
             return None
@@ -285,7 +285,7 @@ class Dispatch(RouterCore):
             else:
                 self._accepted_meta.pop(req.key, None)
                 await self._publish_failure(req.request_id, req.tenant, req.stream_subject, ErrorCode.NO_WORKERS,
-                                            str(exc))
+                                            str(exc), req=req)
                 if record is not None:
                     await self._settle(record[0], record[1], "error", None)
             return None

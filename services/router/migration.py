@@ -232,4 +232,4 @@ class Migration(RouterCore):
             decode_worker="", decision=job.decision))
         await self.b.publish(Subjects.finished(inf.tenant, inf.request_id), RequestFinished(
             request_id=inf.request_id, tenant=inf.tenant, worker_id=self.worker_id, status=status, usage=usage,
-            route=job.route, finish_reason=reason))
+            route=job.route, finish_reason=reason, model=inf.request.model if inf.request else None, lora=job.lora))

@@ -23,6 +23,31 @@ BUNDLED = "bundled"  # a --model PATH that names the bundled model
 MAX_NAME = 256  # GenerateRequest.model's bound: a longer name could never be asked for
 
 
+ModelPolicies = dict[str, tuple[str | None, int | None]]  # model -> (its strategy, its disaggregation threshold)
+
+
+def parse_model_policies(strategies: list[str], thresholds: list[str]) -> ModelPolicies:
+    """``--model-strategy NAME=STRATEGY`` and ``--model-disagg-threshold NAME=TOKENS`` (each repeatable) -> the
+    settings of each model that has its own; ValueError naming the argument at fault."""
+    out: dict[str, tuple[str | None, int | None]] = {}
+    for flag, args in (("--model-strategy", strategies), ("--model-disagg-threshold", thresholds)):
+        for arg in args:
+            name, sep, value = arg.rpartition("=")  # a model name may hold '=' nowhere, a strategy never
+            name, value = name.strip(), value.strip()
+            if not sep or not name or not value:
+                raise ValueError(f"{flag} {arg!r}: give NAME=VALUE")
+            strategy, threshold = out.get(name, (None, None))
+            if flag == "--model-strategy":
+                strategy = value
+            else:
+                try:
+                    threshold = int(value)
+                except ValueError:
+                    raise ValueError(f"{flag} {arg!r}: the threshold is a whole number of tokens") from None
+            out[name] = (strategy, threshold)
+    return out
+
+
 def parse_model_arg(arg: str | None) -> tuple[str | None, str | None]:
     """``--model`` as given: ``NAME=PATH`` -> (NAME, PATH); ``PATH`` -> (None, PATH) (the name is then the
     tokenizer's: the files' name); ``bundled`` or None -> the bundled model. A PATH holding ``=`` needs a NAME."""
@@ -84,6 +109,21 @@ class ModelTable:
 
     def names(self) -> list[str]:
         return [m.name for m in self.models]
+
+    def check_policies(self, policies: ModelPolicies) -> ModelPolicies:
+        """``policies`` if every model they name is served here, every strategy is known and every threshold is
+        >= 0; else ValueError saying which."""
+        from splitserve.routing.registry import available
+
+        for name, (strategy, threshold) in policies.items():
+            if name not in self._by_name:
+                raise ValueError(f"per-model routing settings for {name!r}: {self.not_found(name)}")
+            if strategy is not None and strategy not in available():
+                raise ValueError(f"model {name!r}: unknown routing strategy {strategy!r}; available: "
+                                 f"{', '.join(available())}")
+            if threshold is not None and threshold < 0:
+                raise ValueError(f"model {name!r}: the disaggregation threshold must be >= 0, not {threshold}")
+        return dict(policies)
 
     def resolve(self, name: str | None) -> ServedModel | None:
         """The model a request asks for: none named -> the default; with one model, any name is it; else None

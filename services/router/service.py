@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import replace
 
 from nats.aio.msg import Msg
 from nats.js.api import DiscardPolicy, StreamConfig
@@ -59,7 +60,7 @@ from splitserve.proto import (
     Subjects,
 )
 from splitserve.routing.book import RECENT_ENDS_KEPT
-from splitserve.routing.live import build_router
+from splitserve.routing.live import build_policies
 from splitserve.runtime.jetstream import ensure_stream, replicas_for
 from splitserve.runtime.workqueue import WorkQueue
 from splitserve.services.common.resync import resync_index
@@ -101,7 +102,10 @@ class RouterService(Intake, Dispatch, Migration, QueuedEnds, Peers, Admin, Route
         # The router always keeps an in-process replica of the cache index, fed by the workers' own KV
         # events: kvaware routes on it, and every strategy's disaggregation rule counts *uncached* tokens.
         self.index = PrefixIndex()
-        self.policy = build_router(self.strategy_name, self.disagg, self.index, self.long_prompt_tokens)
+        per_model = {name: (strategy or self.strategy_name,
+                            self.disagg if threshold is None else replace(self.disagg, min_uncached_tokens=threshold))
+                     for name, (strategy, threshold) in self.model_policies.items()}
+        self.policy = build_policies(self.strategy_name, self.disagg, self.index, self.long_prompt_tokens, per_model)
 
     async def start(self) -> None:
         self._started = self.clock()

@@ -11,7 +11,8 @@ Two families of names. ``splitserve:*`` follows vLLM's own metric names and labe
 inter_token_latency_seconds, request_time_per_output_token_seconds, e2e_request_latency_seconds,
 request_queue_time_seconds, request_prefill_time_seconds, prompt_tokens_total, generation_tokens_total,
 request_prompt_tokens / request_generation_tokens (length histograms), request_success_total{finished_reason},
-prefix_cache_queries_total / prefix_cache_hits_total (tokens, counters), num_requests_running / _waiting.
+prefix_cache_queries_total / prefix_cache_hits_total (tokens, counters), num_requests_running / _waiting,
+lora_requests_total / lora_tokens_total (per adapter); splitserve_model_tokens_total splits tenants' tokens by model.
 The older ``splitserve_*`` series (by tenant and route) stay for existing dashboards.
 
 Every front door subscribes to every request's end, so each exposes the same cluster-wide series: scrape
@@ -131,13 +132,23 @@ class ClusterMetrics:
         self.v_running = Gauge(f"{p}num_requests_running", "Sequences the decoders are running", m, registry=r)
         self.v_waiting = Gauge(f"{p}num_requests_waiting", "Requests queued at workers", m, registry=r)
         self.v_kv_bytes = Counter(f"{p}kv_transfer_bytes", "KV bytes moved prefiller -> decoder", m, registry=r)
+        # Per adapter and per tenant x model: what a chargeback by model needs (bounded: the tenants file's
+        # tenants, the served models, the adapters the workers were started with)
+        self.v_lora = Counter(f"{p}lora_requests", "Finished requests per LoRA adapter", [*m, "lora_name"],
+                              registry=r)
+        self.v_lora_tokens = Counter(f"{p}lora_tokens", "Tokens per LoRA adapter and kind (prompt, completion)",
+                                     [*m, "lora_name", "kind"], registry=r)
+        self.model_tokens = Counter("splitserve_model_tokens_total", "Tokens by tenant, model and kind (prompt, "
+                                    "completion, cached)", ["tenant", "model_name", "kind"], registry=r)
 
     def _model(self, worker_id: str) -> str:
         seen = self.workers.get(worker_id)
         return (seen[0].model if seen is not None else None) or self._any_model or UNKNOWN_MODEL
 
     def _on_finished_vllm_style(self, ev: RequestFinished) -> None:
-        model = self._model(ev.worker_id)
+        model = ev.model or self._model(ev.worker_id)
+        if ev.lora:
+            self.v_lora.labels(model, ev.lora).inc()
         if ev.status == "error":
             self.v_failed.labels(model, ev.error_code.value if ev.error_code else "unknown").inc()
         else:
@@ -152,6 +163,11 @@ class ClusterMetrics:
             self.v_gen_len.labels(model).observe(u.completion_tokens)
             self.v_cache_q.labels(model).inc(u.prompt_tokens)
             self.v_cache_h.labels(model).inc(u.cached_tokens)
+            for kind, n in (("prompt", u.prompt_tokens), ("completion", u.completion_tokens),
+                            ("cached", u.cached_tokens)):
+                self.model_tokens.labels(ev.tenant, model, kind).inc(n)
+                if ev.lora and kind != "cached":
+                    self.v_lora_tokens.labels(model, ev.lora, kind).inc(n)
         t = ev.timings
         if t is not None:
             if t.ttft_server_ms is not None:

@@ -4,6 +4,7 @@ The router service (``services/router/service.py``) and the capacity-planning si
 both call these, so a simulated router is built, fed and paced exactly as the live one:
 
 * :func:`build_router` - the :class:`Router` with the service's disaggregation rule and context pools;
+* :func:`build_policies` - those, one per model that has its own strategy or threshold (:class:`PolicySet`);
 * :func:`view_from_load` - a heartbeat's load report -> the :class:`WorkerView` the policy decides on;
 * :func:`decoder_free_slots` / :func:`dispatch_batch` - how many queued requests dispatch may pull now.
 
@@ -12,6 +13,7 @@ Pure and synchronous (no NATS, no clock).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Final
 
 from splitserve.cache.index import PrefixIndex
@@ -19,10 +21,11 @@ from splitserve.proto import WorkerLoad
 from splitserve.routing.base import WorkerView
 from splitserve.routing.context import ContextPools
 from splitserve.routing.disagg import DisaggPolicy
+from splitserve.routing.policies import PolicySet
 from splitserve.routing.router import Router
 
-__all__ = ["DEFAULT_DECODER_SLOTS", "DISPATCH_BATCH", "build_router", "decoder_free_slots", "dispatch_batch",
-           "live_disagg", "view_from_load"]
+__all__ = ["DEFAULT_DECODER_SLOTS", "DISPATCH_BATCH", "build_policies", "build_router", "decoder_free_slots",
+           "dispatch_batch", "live_disagg", "view_from_load"]
 
 DEFAULT_DECODER_SLOTS: Final = 16
 DISPATCH_BATCH: Final = 8  # most queue messages pulled from one tenant per scheduling decision
@@ -39,6 +42,19 @@ def build_router(strategy: str, disagg: DisaggPolicy, index: PrefixIndex, long_p
     """The router service's policy object (one per router process)."""
     return Router(strategy=strategy, disagg=disagg, index=index,
                   context=ContextPools(long_prompt_tokens=long_prompt_tokens))
+
+
+def build_policies(strategy: str, disagg: DisaggPolicy, index: PrefixIndex, long_prompt_tokens: int = 2048,
+                   per_model: Mapping[str, tuple[str, DisaggPolicy]] | None = None) -> PolicySet:
+    """The router service's policies: the default (``strategy``, ``disagg``) and, for each model in
+    ``per_model``, its own (strategy, disaggregation rule), all sharing the one index and pending ledger."""
+    default = build_router(strategy, disagg, index, long_prompt_tokens)
+    own = {}
+    for model, (m_strategy, m_disagg) in (per_model or {}).items():
+        r = build_router(m_strategy, m_disagg, index, long_prompt_tokens)
+        r.pending = default.pending
+        own[model] = r
+    return PolicySet(default, own)
 
 
 def view_from_load(worker_id: str, role: str, pool: str, load: WorkerLoad) -> WorkerView:

@@ -8,8 +8,12 @@ one the tenant's contract leaves out (403); the SDK raises the same errors."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import pytest
@@ -152,3 +156,27 @@ async def test_the_api_lists_both_and_refuses_unknown_and_forbidden_models(stack
         with pytest.raises(errors.ModelNotFound, match=BASE):
             await c.complete("hello", model="gpt-nope", max_tokens=2)
         assert (await c.complete("hello", max_tokens=2)).decode_worker == "decode-0"  # none named: the default
+
+
+async def test_usage_splits_each_tenant_by_model_and_adapter(stack: StackProc) -> None:
+    """``splitserve usage --by adapter``: each request counted under its own model and adapter, token for token,
+    whichever worker or route served it."""
+    async with Client(stack.nats_url, user="B", password=PW["B"]) as c:
+        lora = await c.complete(LONG, model=ADAPTER, route="disaggregated", max_tokens=N)
+        second = await c.complete(LONG, model=SECOND, route="direct", max_tokens=N)
+    exe = str(Path(sys.executable).with_name("splitserve"))
+
+    def usage(by: str) -> list[dict[str, Any]]:
+        out = subprocess.run([exe, "usage", "--nats-url", stack.nats_url, "--tenant", "B", "--by", by, "--json"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        rows: list[dict[str, Any]] = json.loads(out.stdout)
+        return rows
+
+    rows = {(r["model"], r["adapter"]): r for r in usage("adapter")}
+    assert set(rows) <= {(BASE, None), (BASE, ADAPTER), (SECOND, None)}, rows  # every one attributed
+    assert rows[(BASE, ADAPTER)]["completion_tokens"] >= lora.usage.completion_tokens
+    assert rows[(SECOND, None)]["prompt_tokens"] >= second.usage.prompt_tokens
+    by_model = {r["model"]: r for r in usage("model")}
+    assert by_model[BASE]["requests"] > rows[(BASE, ADAPTER)]["requests"] >= 1  # (earlier base requests too)
+    assert by_model[SECOND]["completion_tokens"] == rows[(SECOND, None)]["completion_tokens"]

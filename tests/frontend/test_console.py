@@ -77,7 +77,8 @@ async def nc(fresh_nats: NatsServer) -> AsyncIterator[Any]:
     for tenant, rid, status in (("A", "ra", "ok"), ("B", "rb", "error")):
         ev = RequestFinished(request_id=rid, tenant=tenant, worker_id="decode-0", status=status,  # type: ignore[arg-type]
                              usage=Usage(prompt_tokens=100, completion_tokens=10) if status == "ok" else None,
-                             error_code=None if status == "ok" else proto.ErrorCode.QUOTA_EXCEEDED)
+                             error_code=None if status == "ok" else proto.ErrorCode.QUOTA_EXCEEDED,
+                             model="smollm2" if status == "ok" else None, lora="sql" if status == "ok" else None)
         await js.publish(Subjects.finished(tenant, rid), proto.encode(ev))
     yield c
     await c.close()
@@ -162,6 +163,9 @@ async def test_admin_sees_the_whole_cluster(http: httpx2.AsyncClient, nc: Any) -
 
     u = (await http.get("/console/api/usage?since=1h", headers=as_(ADMIN))).json()
     assert u["tenants"]["A"]["prompt_tokens"] == 100 and u["tenants"]["B"]["by_error"] == {"quota_exceeded": 1}
+    # and per tenant, model and adapter (B's request was refused before it had a model)
+    assert [(x["tenant"], x["model"], x["adapter"], x["prompt_tokens"]) for x in u["by_model"]] == [
+        ("A", "smollm2", "sql", 100), ("B", None, None, 0)]
 
     r = (await http.get("/console/api/requests", headers=as_(ADMIN))).json()
     assert [x["request_id"] for x in r["slowest"]] == ["ra", "rb"]
@@ -190,7 +194,7 @@ async def test_a_tenant_key_sees_only_its_own_tenant(http: httpx2.AsyncClient, n
     t = (await http.get("/console/api/tenants", headers=a)).json()
     assert [row["tenant"] for row in t["tenants"]] == ["A"] and "capacity" not in t
     u = (await http.get("/console/api/usage?since=all", headers=a)).json()
-    assert set(u["tenants"]) == {"A"}
+    assert set(u["tenants"]) == {"A"} and {x["tenant"] for x in u["by_model"]} == {"A"}
     r = (await http.get("/console/api/requests", headers=a)).json()
     assert [x["request_id"] for x in r["slowest"]] == ["ra"] and r["failed"] == []
     assert (await http.get("/console/api/trace/ra", headers=a)).status_code == 200

@@ -15,7 +15,7 @@ from opentelemetry import trace
 
 from splitserve import proto
 from splitserve.cache import batch, hash_token_blocks, stored
-from splitserve.services.router.models import ModelTable, parse_model_arg
+from splitserve.services.router.models import ModelTable, parse_model_arg, parse_model_policies
 from splitserve.services.router.service import RouterService
 from tests.recording_bus import RecordingBus
 
@@ -148,6 +148,42 @@ def test_model_names_are_unique() -> None:
         ModelTable(["a=bundled", "a=bundled"])
     with pytest.raises(ValueError, match="empty"):
         parse_model_arg("=bundled")
+
+
+async def test_each_model_routes_by_its_own_strategy_and_threshold(tmp_path: Path) -> None:
+    """beta disaggregates from 0 uncached tokens and routes round robin; alpha keeps the router's settings
+    (kvaware, 10,000 tokens: the same prompt decodes in place)."""
+    svc, bus = await _router(tmp_path, model_policies={"beta": ("roundrobin", 0)})
+    (a,) = await _route(svc, bus, _req("ra", "alpha"))
+    (b,) = await _route(svc, bus, _req("rb", "beta"))
+    assert isinstance(a, proto.DecodeJob) and a.route == proto.Route.DIRECT and a.decision["strategy"] == "kvaware"
+    assert isinstance(b, proto.PrefillJob) and b.decode.decision["strategy"] == "roundrobin"
+    assert b.decode.route == proto.Route.DISAGGREGATED and b.decode.decision["reason"] != "forced"
+    described = svc.policy.describe()
+    assert described["strategy"] == "kvaware" and described["models"]["beta"]["disagg"]["min_uncached_tokens"] == 0
+    # one prefix index and one pending ledger for both: a worker's load is its load, whichever policy sent work
+    assert svc.policy.of("beta").index is svc.policy.of("alpha").index is svc.index
+    assert svc.policy.of("beta").pending is svc.policy.of("alpha").pending
+
+
+@pytest.mark.parametrize(("policies", "message"), [
+    ({"gamma": ("kvaware", None)}, "'gamma': model 'gamma' is not served here"),
+    ({"beta": ("fastest", None)}, "unknown routing strategy 'fastest'"),
+    ({"beta": (None, -1)}, "must be >= 0"),
+])
+async def test_per_model_settings_are_checked(tmp_path: Path, policies: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        await _router(tmp_path, model_policies=policies)
+
+
+def test_per_model_arguments() -> None:
+    got = parse_model_policies(["a=kvaware", "b/2=prefixaware"], ["a=64", "c=0"])
+    assert got == {"a": ("kvaware", 64), "b/2": ("prefixaware", None), "c": (None, 0)}
+    for bad, message in ((["kvaware"], "NAME=VALUE"), (["a="], "NAME=VALUE")):
+        with pytest.raises(ValueError, match=message):
+            parse_model_policies(bad, [])
+    with pytest.raises(ValueError, match="whole number"):
+        parse_model_policies([], ["a=many"])
 
 
 # --- LoRA adapters: a request's ``model`` may name an adapter a worker has loaded ----------------------------

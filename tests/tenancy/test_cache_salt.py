@@ -165,7 +165,7 @@ async def test_explain_salts_its_lookup(tmp_path: Path) -> None:
     held = {}
     for tenant in ("A", "B"):
         req = proto.RouteExplainRequest(tenant=tenant, prompt_token_ids=TOKENS, strategies=["kvaware"])
-        rep = explain_mod.answer("r", svc.policy, req, list(TOKENS), hbs, svc._view, now,
+        rep = explain_mod.answer("r", svc.policy.default, req, list(TOKENS), hbs, svc._view, now,
                                  cache_salt=svc.tenants.cache_salt(tenant, req.cache_salt))
         held[tenant] = max(w.cached_blocks for w in rep.workers)
     assert held == {"A": len(TOKENS) // BS, "B": 0}

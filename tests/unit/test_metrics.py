@@ -62,3 +62,24 @@ def test_top_rates_cover_the_window_only() -> None:
     snap = m.snapshot(now=5.0)
     assert snap["tenants"]["t"]["requests_per_s"] == 0.5 and snap["tenants"]["t"]["tokens_per_s"] == 10.0
     assert m.snapshot(now=100.0)["tenants"] == {}
+
+
+def test_series_by_model_and_adapter_come_from_the_event_not_the_worker() -> None:
+    """A request's model and adapter travel in its RequestFinished: the series split by them, even for an event
+    a router published (its worker id names no model) or before any heartbeat was seen."""
+    m = ClusterMetrics()
+    u = Usage(prompt_tokens=10, completion_tokens=3, cached_tokens=4)
+    m.on_finished(RequestFinished(request_id="r1", tenant="acme", worker_id="decode-0", status="ok", usage=u,
+                                  model="smol", lora="sql"), now=0.0)
+    m.on_finished(RequestFinished(request_id="r2", tenant="acme", worker_id="decode-1", status="ok", usage=u,
+                                  model="big"), now=0.0)
+    m.on_finished(RequestFinished(request_id="r3", tenant="acme", worker_id="router-0", status="error",
+                                  error_code=ErrorCode.NO_WORKERS, model="big"), now=0.0)
+    s = _samples(m)
+    assert s[("splitserve:lora_requests_total", (("lora_name", "sql"), ("model_name", "smol")))] == 1
+    assert s[("splitserve:lora_tokens_total", (("kind", "completion"), ("lora_name", "sql"),
+                                               ("model_name", "smol")))] == 3
+    assert s[("splitserve_model_tokens_total", (("kind", "cached"), ("model_name", "big"), ("tenant", "acme")))] == 4
+    assert s[("splitserve:generation_tokens_total", (("model_name", "smol"),))] == 3
+    assert s[("splitserve:request_failure_total", (("error_code", "no_workers"), ("model_name", "big")))] == 1
+    assert not any(k[0].startswith("splitserve:lora") and ("model_name", "big") in k[1] for k in s)

@@ -111,6 +111,22 @@ def test_the_models_list_wins_over_the_pool_flags(monkeypatch: pytest.MonkeyPatc
     assert not [n for n in _children(cfg) if n.startswith("prefill")]
 
 
+def test_a_pool_may_route_with_its_own_strategy_and_threshold(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    cfg_text = ("strategy: roundrobin\ndisagg-threshold: 512\nmodels:\n"
+                "  - {name: smollm2, decode: 2, strategy: kvaware}\n"
+                "  - {name: big, model: /x, disagg-threshold: 64}\n")
+    res, cfg = _up(monkeypatch, tmp_path, cfg_text)
+    assert res.exit_code == 0, res.output
+    assert cfg is not None
+    router = _children(cfg)["router-0"]
+    assert _all(router, "--strategy") == ["roundrobin"] and _all(router, "--disagg-threshold") == ["512"]
+    assert _all(router, "--model-strategy") == ["smollm2=kvaware"]
+    assert _all(router, "--model-disagg-threshold") == ["big=64"]
+    res, cfg = _up(monkeypatch, tmp_path, cfg_text, "--colocated")  # colocated: nothing is disaggregated
+    assert cfg is not None and "--model-disagg-threshold" not in _children(cfg)["router-0"]
+
+
 def test_long_context_decoders_serve_the_default_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     res, cfg = _up(monkeypatch, tmp_path, TWO + "long-decode: 1\n")
     assert res.exit_code == 0, res.output
@@ -121,8 +137,9 @@ def test_long_context_decoders_serve_the_default_model(monkeypatch: pytest.Monke
 
 @pytest.mark.parametrize(("models", "message"), [
     ("  - {name: a}\n  - {name: a, decode: 2}\n", "'a' is listed twice"),
-    ("  - {name: a, strategy: kvaware}\n", "per-model 'strategy' is not supported"),
-    ("  - {name: a, disagg-threshold: 10}\n", "per-model 'disagg-threshold' is not supported"),
+    ("  - {name: a, strategy: fastest}\n", "unknown routing strategy 'fastest'"),
+    ("  - {name: a, disagg-threshold: -1}\n", "disagg_threshold must be a whole number >= 0"),
+    ("  - {name: a, disagg-threshold: '10'}\n", "disagg_threshold must be a whole number >= 0"),
     ("  - {name: a, decoders: 2}\n", "unknown key 'decoders'"),
     ("  - {model: /x}\n", "models[0] needs a name"),
     ("  - {name: ''}\n", "non-empty name"),

@@ -178,16 +178,18 @@ async function renderTenants() {
 
 async function renderUsage() {
   const u = await api(`/usage?since=${encodeURIComponent(state.usageWindow)}`);
-  const rows = Object.values(u.tenants);
-  table($("usage"), [["tenant"], ["requests", "num"], ["ok", "num"], ["errors", "num"], ["cancelled", "num"],
-    ["expired", "num"], ["prompt tokens", "num"], ["completion tokens", "num"], ["cached tokens", "num"],
-    ["errors by code"]],
-  rows.length ? rows.map((r) => el("tr", { class: "usage-row", "data-tenant": r.tenant },
-    td(r.tenant), td(num(r.requests), "num"), td(num(r.ok), "num"), td(num(r.errors), "num"),
+  // one row per tenant, model and LoRA adapter (a tenant of one model: one row, as before)
+  const rows = u.by_model || Object.values(u.tenants);
+  table($("usage"), [["tenant"], ["model"], ["adapter"], ["requests", "num"], ["ok", "num"], ["errors", "num"],
+    ["cancelled", "num"], ["expired", "num"], ["prompt tokens", "num"], ["completion tokens", "num"],
+    ["cached tokens", "num"], ["errors by code"]],
+  rows.length ? rows.map((r) => el("tr", { class: "usage-row", "data-tenant": r.tenant, "data-model": r.model || "" },
+    td(r.tenant), td(r.model || "-"), td(r.adapter || "-"), td(num(r.requests), "num"), td(num(r.ok), "num"),
+    td(num(r.errors), "num"),
     td(num(r.cancelled), "num"), td(num(r.expired), "num"), td(num(r.prompt_tokens), "num"),
     td(num(r.completion_tokens), "num"), td(num(r.cached_tokens), "num"),
     td(Object.entries(r.by_error || {}).map(([k, v]) => `${k}: ${v}`).join(", ") || "-")))
-    : [el("tr", {}, el("td", { colspan: 10, class: "hint" }, "no finished requests in this window"))]);
+    : [el("tr", {}, el("td", { colspan: 12, class: "hint" }, "no finished requests in this window"))]);
 }
 
 // ------------------------------------------------------------------------------------------- requests
