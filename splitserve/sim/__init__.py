@@ -13,15 +13,19 @@ measurements or from this machine, KV capacity and eviction, a KV-transfer model
 Modules: ``clock`` (event loop), ``workload`` (traces, synthetic mixes), ``latency`` (step-time models),
 ``fabric`` (KV bytes per token, transfer time), ``workers`` (engines, KV pools, prefix caches, KV events),
 ``cluster`` (the driver), ``metrics``, ``planner`` (sweeps for the cheapest configuration), ``plots``.
+Several models and LoRA adapters: ``SimConfig(pools=[ModelPool(...)])`` with ``assign_models`` /
+``assign_adapters`` on the requests (see docs/models.md, "In the simulator").
 """
 
-from splitserve.sim.cluster import Sim, SimConfig, simulate
+from splitserve.sim.cluster import ModelPool, Sim, SimConfig, simulate
 from splitserve.sim.fabric import FABRICS, MODELS, Fabric, ModelSpec
 from splitserve.sim.latency import StepFit, calibrated, distserve, latency_model, splitwise
 from splitserve.sim.metrics import SimResult
 from splitserve.sim.workload import (
     SimRequest,
     WorkloadError,
+    assign_adapters,
+    assign_models,
     load_azure,
     load_mooncake,
     load_sharegpt,
@@ -35,6 +39,7 @@ __all__ = [
     "FABRICS",
     "MODELS",
     "Fabric",
+    "ModelPool",
     "ModelSpec",
     "Sim",
     "SimConfig",
@@ -42,6 +47,8 @@ __all__ = [
     "SimResult",
     "StepFit",
     "WorkloadError",
+    "assign_adapters",
+    "assign_models",
     "calibrated",
     "distserve",
     "latency_model",

@@ -2,6 +2,12 @@
 
     splitserve sim run  --trace azure-conv --limit 2000 --rate-factor 4 --prefill 2 --decode 6 [--plots DIR] [--json]
     splitserve sim plan --trace mooncake --limit 1000 --sizes 2-8 --ttft-slo 2 --tpot-slo 0.1 [--json]
+
+Several models and LoRA adapters (``run``): ``--models a:2:6,b:1:3`` (one pool per model: name:prefill:decode;
+then --prefill/--decode are unused) with ``--mix a=0.7,b=0.3`` (each request's model, seeded; default: equal),
+and ``--adapters 64 --zipf 1.1 --adapter-share 0.8`` (that share of requests for one of 64 adapters of its model,
+Zipf popularity) on workers with ``--max-loras 4`` slots loaded on demand, ``--lora-load-ms 50`` per load,
+routed with ``--lora-affinity`` (default) or ``--no-lora-affinity``. The report adds per-model figures.
 """
 
 from __future__ import annotations
@@ -131,6 +137,19 @@ def run_cmd(
     rates: str | None = typer.Option(None, "--rates", help="also sweep these rate factors (goodput vs rate)"),
     plots: Path | None = typer.Option(None, "--plots", help="write PNG plots to this folder"),
     as_json: bool = typer.Option(False, "--json"),
+    models: str | None = typer.Option(None, "--models", help="model pools name:prefill:decode, comma-separated "
+                                      "(replaces --prefill/--decode)"),
+    mix: str | None = typer.Option(None, "--mix", help="each request's model: name=weight, comma-separated "
+                                   "(default: equal)"),
+    adapters: int = typer.Option(0, "--adapters", min=0, help="LoRA adapters per model (0: none)"),
+    zipf: float = typer.Option(1.1, "--zipf", help="Zipf exponent of the adapters' popularity"),
+    adapter_share: float = typer.Option(1.0, "--adapter-share", min=0.0, max=1.0,
+                                        help="share of requests for an adapter (the rest: the base model)"),
+    max_loras: int = typer.Option(0, "--max-loras", min=0, help="adapter slots per worker, loaded on demand "
+                                  "(0: every adapter loaded)"),
+    lora_load_ms: float = typer.Option(50.0, "--lora-load-ms", min=0.0, help="one adapter load"),
+    lora_affinity: bool = typer.Option(True, "--lora-affinity/--no-lora-affinity",
+                                       help="prefer workers with the adapter loaded (the live router's rule)"),
     trace: str = TraceOpt, limit: int | None = LimitOpt, rate_factor: float = RateFactorOpt, rate: float = RateOpt,
     model: str = ModelOpt, latency: str = LatencyOpt, decode_latency: str | None = DecodeLatencyOpt, tp: int = TpOpt,
     fabric: str = FabricOpt, kv_tokens: int | None = KvOpt, max_seqs: int = MaxSeqsOpt, chunked: bool = ChunkOpt,
@@ -145,10 +164,11 @@ def run_cmd(
     b = _base(trace, limit, rate_factor, rate, model, latency, decode_latency, tp, fabric, kv_tokens, max_seqs,
               chunked, strategy, disagg_threshold, max_stall_ms, long_decode, tenants, ttft_slo, tpot_slo,
               attainment, seed)
-    if decode + long_decode < 1:
+    if decode + long_decode < 1 and not models:
         _fail("the cluster needs at least one decoder (--decode or --long-decode)")
     reqs = _load(b)
-    cfg = _config(b, prefill, decode)
+    cfg, reqs = _apply_models(_Models(models, mix, adapters, zipf, adapter_share, max_loras, lora_load_ms,
+                                      lora_affinity), _config(b, prefill, decode), reqs, seed)
     try:
         res = simulate(cfg, reqs)
     except (ValueError, OSError) as exc:
@@ -168,7 +188,7 @@ def run_cmd(
     if plots is not None:
         from splitserve.sim.plots import plot_all
 
-        label = f"{prefill}P:{decode}D {strategy}"
+        label = models or f"{prefill}P:{decode}D {strategy}"
         try:
             out["plots"] = [str(p) for p in plot_all(res, plots, {label: curve} if curve else None, label)]
         except RuntimeError as exc:
@@ -177,6 +197,7 @@ def run_cmd(
         typer.echo(json.dumps(out, default=float))
         return
     _print_summary(res.summary, cfg.gpus)
+    _print_models(res.summary)
     if curve:
         typer.echo("goodput vs rate:")
         for r in curve:
@@ -206,6 +227,106 @@ def _print_summary(s: dict[str, Any], gpus: int) -> None:
     typer.echo(f"routes {s['routes']}  cache hit {s['cache_hit_ratio']:.1%}  "
                f"KV moved {s['kv_bytes_moved'] / 1e9:.1f} GB  "
                f"utilisation prefill {u['prefill']:.1%} decode {u['decode']:.1%}")
+
+
+def parse_pools(spec: str) -> list[tuple[str, int, int]]:
+    """``--models a:2:6,b:1:3`` -> [(name, prefill, decode), ...] (a name may hold ``:``; the counts are last)."""
+    out: list[tuple[str, int, int]] = []
+    for part in (x.strip() for x in spec.split(",")):
+        if not part:
+            continue
+        bits = part.rsplit(":", 2)
+        name = bits[0] if len(bits) == 3 else ""
+        try:
+            prefill, decode = int(bits[1]), int(bits[2])
+        except (ValueError, IndexError):
+            prefill = decode = -1
+        if not name or prefill < 0 or decode < 1:
+            raise ValueError(f"--models takes name:prefill:decode (decode >= 1), not {part!r}")
+        out.append((name, prefill, decode))
+    names = [n for n, _, _ in out]
+    if not out or len(set(names)) != len(names):
+        raise ValueError(f"--models must name each model once: {spec!r}")
+    return out
+
+
+def parse_mix(spec: str | None, names: list[str]) -> dict[str, float]:
+    """``--mix a=0.7,b=0.3`` -> {name: weight} over the pools' ``names`` (None: equal weights; a model left out
+    gets no requests)."""
+    if not spec:
+        return dict.fromkeys(names, 1.0)
+    out: dict[str, float] = {}
+    for part in (x.strip() for x in spec.split(",")):
+        if not part:
+            continue
+        name, _, w = part.rpartition("=")
+        try:
+            weight = float(w)
+        except ValueError:
+            weight = -1.0
+        if name not in names or weight < 0:
+            raise ValueError(f"--mix takes model=weight for the models of --models ({', '.join(names)}), "
+                             f"not {part!r}")
+        out[name] = weight
+    if not out or sum(out.values()) <= 0:
+        raise ValueError("--mix needs a positive weight")
+    return out
+
+
+@dataclass
+class _Models:
+    """The multi-model and adapter options of ``run``."""
+
+    models: str | None
+    mix: str | None
+    adapters: int
+    zipf: float
+    adapter_share: float
+    max_loras: int
+    lora_load_ms: float
+    lora_affinity: bool
+
+
+def _apply_models(m: _Models, cfg: Any, reqs: list[Any], seed: int) -> tuple[Any, list[Any]]:
+    """The config with its model pools and adapter slots, and the requests with their models and adapters."""
+    from dataclasses import replace
+
+    from splitserve.sim.cluster import ModelPool
+    from splitserve.sim.workload import WorkloadError, assign_adapters, assign_models
+
+    load_s = m.lora_load_ms / 1000.0
+    try:
+        if m.models:
+            pools = parse_pools(m.models)
+            if cfg.long_decode:
+                _fail("--long-decode is not simulated with --models")
+            cfg = replace(cfg, pools=[ModelPool(n, p, d, m.max_loras, load_s) for n, p, d in pools])
+            reqs = assign_models(reqs, parse_mix(m.mix, [n for n, _, _ in pools]), seed)
+        elif m.mix:
+            _fail("--mix needs --models")
+        cfg = replace(cfg, max_loras=m.max_loras, lora_load_s=load_s, lora_affinity=m.lora_affinity)
+        if m.adapters:
+            reqs = assign_adapters(reqs, m.adapters, m.zipf, m.adapter_share, seed)
+    except (ValueError, WorkloadError) as exc:
+        _fail(str(exc))
+    return cfg, reqs
+
+
+def _print_models(s: dict[str, Any]) -> None:
+    if "models" not in s:
+        return
+    typer.echo(f"{'model':<16} {'P':>3} {'D':>3} {'done':>6} {'TTFT p50':>10} {'TTFT p99':>10} {'req/s':>8} "
+               f"{'loads':>6} {'loads/req':>9} {'peak':>4}")
+    for name, m in s["models"].items():
+        t = m["ttft_s"]
+        p50 = f"{t['p50'] * 1000:.1f}" if t.get("n") else "-"
+        p99 = f"{t['p99'] * 1000:.1f}" if t.get("n") else "-"
+        typer.echo(f"{name:<16} {m['prefill']:>3} {m['decode']:>3} {m['finished']:>6} {p50:>10} {p99:>10} "
+                   f"{m['throughput_rps']:>8.2f} {m['adapter_loads']:>6} {m['loads_per_request']:>9.3f} "
+                   f"{m['peak_loaded']:>4}")
+    a = s["adapters"]
+    typer.echo(f"adapters: {a['requests']} requests, {a['loads']} loads ({a['loads_per_request']:.3f} per request), "
+               f"affinity {'on' if a['affinity'] else 'off'}  (TTFT in ms)")
 
 
 def _sizes(spec: str) -> list[int]:

@@ -4,9 +4,10 @@
 
 The router side is the live code, unchanged (see :mod:`splitserve.routing.live`):
 
-* the :class:`~splitserve.routing.Router` built by ``build_router`` with the service's ``DisaggPolicy`` and
-  ``ContextPools``, deciding on :class:`WorkerView` s made by ``view_from_load`` from simulated heartbeats
-  (every ``heartbeat_s``, staggered per worker), in the order the live registry lists them;
+* the :class:`~splitserve.routing.Router` (one per model with its own settings: ``build_policies``) with the
+  service's ``DisaggPolicy`` and ``ContextPools``, deciding on :class:`WorkerView` s made by ``view_from_load``
+  from simulated heartbeats (every ``heartbeat_s``, staggered per worker), in the order the live registry lists
+  them;
 * the :class:`~splitserve.routing.book.RequestBook` the service keeps: a flight per dispatched request, fed
   every heartbeat (what each worker lists and runs) and every end, and dispatch paced by its ``free_slots``;
 * ``router.release(key, worker)`` for every request the book says a worker's heartbeat lists, ``release(key)``
@@ -19,6 +20,15 @@ The router side is the live code, unchanged (see :mod:`splitserve.routing.live`)
   :class:`~splitserve.tenancy.fairshare.FairScheduler` at dispatch (pick / charge / settle).
 
 Colocated mode is ``prefill=0`` (every prompt prefilled on its decoder, chunked by default).
+
+Several models (``SimConfig.pools``: one :class:`ModelPool` per served model) run as the live router runs them:
+a request is routed only among its model's workers (the live ``_live()`` filter), waits in its model's queue
+lanes, dispatched while that model's decoders have free slots (``RequestBook.free_slots(now, model)``: one
+model's full decoders never hold back another's requests), and its prefix cache is salted per (model, adapter)
+(no hit crosses models or adapters). LoRA adapters: a request's ``lora`` is served by its model's workers, each
+with ``max_loras`` slots loaded on demand (:mod:`.workers`); the candidates are chosen by the live affinity rule
+(:func:`splitserve.routing.adapters.adapter_views`) from what each worker's last heartbeat listed as loaded,
+unless ``lora_affinity`` is off. Without pools the cluster is the one model it always was, unchanged.
 ``record=True`` keeps the router's inputs and decisions (:attr:`Sim.log`) for the live-equivalence test.
 """
 
@@ -28,17 +38,19 @@ import random
 from array import array
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from splitserve.cache.events import KvEventBatch
 from splitserve.cache.index import PrefixIndex
 from splitserve.proto import request_key
 from splitserve.routing import NoWorkers, RoutingRequest, WorkerView
+from splitserve.routing.adapter_lru import AdapterLru
+from splitserve.routing.adapters import adapter_views
 from splitserve.routing.book import Flight, RequestBook
-from splitserve.routing.live import build_router, dispatch_batch, live_disagg, view_from_load
+from splitserve.routing.live import build_policies, dispatch_batch, live_disagg, view_from_load
 from splitserve.sim.clock import EventLoop
-from splitserve.sim.fabric import fabric, model_spec
+from splitserve.sim.fabric import ModelSpec, fabric, model_spec
 from splitserve.sim.latency import StepFit, latency_model
 from splitserve.sim.metrics import SimResult, collect
 from splitserve.sim.workers import DecodeWorker, PrefillWorker, Seq
@@ -47,7 +59,22 @@ from splitserve.tenancy.config import TenantsConfig, load_tenants
 from splitserve.tenancy.fairshare import FairScheduler
 from splitserve.tenancy.quota import QuotaBook
 
-__all__ = ["Sim", "SimConfig", "simulate"]
+__all__ = ["ModelPool", "Sim", "SimConfig", "simulate"]
+
+
+@dataclass
+class ModelPool:
+    """One served model of a multi-model cluster and its workers (``SimConfig.pools``)."""
+
+    name: str  # the served model's name (what a request's ``model`` names)
+    prefill: int = 1
+    decode: int = 1
+    max_loras: int = 0  # LoRA slots per worker, loaded on demand (``--max-loras``; 0: every adapter loaded)
+    lora_load_s: float = 0.05  # one adapter load (host to GPU), paid by the step that admits its sequence
+    arch: str | None = None  # KV bytes per token and weights (a ``fabric.MODELS`` name; None: SimConfig.model)
+    latency: str | StepFit | None = None  # its workers' step times (None: SimConfig's prefill/decode models)
+    strategy: str | None = None  # its own routing strategy (None: SimConfig.strategy), as up's models[].strategy
+    disagg_threshold: int | None = None  # its own disaggregation threshold (None: SimConfig.disagg_threshold)
 
 
 @dataclass
@@ -90,16 +117,25 @@ class SimConfig:
     seed: int = 0
     record: bool = False
     util_buckets: int = 100
+    # several models: one pool each (None: the one model above, with ``prefill``/``decode``/``long_decode``)
+    pools: list[ModelPool] | None = None
+    max_loras: int = 0  # the one model's LoRA slots per worker (0: every adapter loaded); pools set their own
+    lora_load_s: float = 0.05
+    lora_affinity: bool = True  # the router's --lora-affinity (False: every worker of the model competes)
 
     def describe(self) -> dict[str, Any]:
         d = asdict(self)
         for k in ("prefill_latency", "decode_latency"):
             v = getattr(self, k)
             d[k] = v.name if isinstance(v, StepFit) else v
+        for pd, pool in zip(d["pools"] or (), self.pools or (), strict=True):
+            pd["latency"] = pool.latency.name if isinstance(pool.latency, StepFit) else pool.latency
         return d
 
     @property
     def gpus(self) -> int:
+        if self.pools:
+            return sum(p.prefill * self.gpus_per_prefill + p.decode * self.gpus_per_decode for p in self.pools)
         return self.prefill * self.gpus_per_prefill + (self.decode + self.long_decode) * self.gpus_per_decode
 
 
@@ -111,12 +147,31 @@ def _fit(v: str | StepFit) -> StepFit:
     return v if isinstance(v, StepFit) else latency_model(v)
 
 
-class Sim:
-    def __init__(self, cfg: SimConfig, requests: Sequence[SimRequest]) -> None:
+def _check_pools(cfg: SimConfig) -> None:
+    pools = cfg.pools or []
+    names = [p.name for p in pools]
+    if not pools:
         if cfg.decode + cfg.long_decode < 1:
             raise ValueError("the cluster needs at least one decoder")
         if cfg.prefill < 0 or cfg.decode < 0:
             raise ValueError("worker counts must be >= 0")
+        if cfg.max_loras < 0 or cfg.lora_load_s < 0:
+            raise ValueError("max_loras and lora_load_s must be >= 0")
+        return
+    if len(set(names)) != len(names) or not all(names):
+        raise ValueError(f"model pool names must be unique and non-empty: {names}")
+    if cfg.long_decode:
+        raise ValueError("long-context decoders are not simulated with model pools")
+    for p in pools:
+        if p.decode < 1 or p.prefill < 0:
+            raise ValueError(f"model pool {p.name!r} needs at least one decoder and >= 0 prefillers")
+        if p.max_loras < 0 or p.lora_load_s < 0:
+            raise ValueError(f"model pool {p.name!r}: max_loras and lora_load_s must be >= 0")
+
+
+class Sim:
+    def __init__(self, cfg: SimConfig, requests: Sequence[SimRequest]) -> None:
+        _check_pools(cfg)
         self.cfg = cfg
         self.requests = list(requests)
         self.loop = EventLoop()
@@ -129,30 +184,53 @@ class Sim:
         dfit = _fit(cfg.decode_latency) if cfg.decode_latency is not None else pfit
         bs = cfg.block_size
 
-        def blocks(gpus: int) -> int:
+        def blocks(gpus: int, arch: ModelSpec = spec) -> int:
             if cfg.kv_tokens is not None:
                 return cfg.kv_tokens // bs
-            free = max(0.0, (cfg.gpu_mem_gb * gpus - _WEIGHTS_GB.get(cfg.model, 0)) * 0.9) * 1e9
-            return int(free / self.kv_bpt) // bs
+            free = max(0.0, (cfg.gpu_mem_gb * gpus - _WEIGHTS_GB.get(arch.name, 0)) * 0.9) * 1e9
+            return int(free / arch.kv_bytes_per_token) // bs
 
         self.decoders: list[DecodeWorker] = []
-        for i in range(cfg.decode + cfg.long_decode):
-            pool = "long" if i >= cfg.decode else "general"
-            w = DecodeWorker(f"d{i}" if pool == "general" else f"ld{i - cfg.decode}", dfit,
-                             blocks(cfg.gpus_per_decode), bs, self, max_seqs=cfg.max_seqs,
-                             token_budget=cfg.decode_token_budget, chunked=cfg.chunked_prefill, pool=pool,
-                             fused=cfg.fused_steps, ctx_budget=cfg.decode_ctx_budget)
-            self.decoders.append(w)
-        self.prefillers = [PrefillWorker(f"p{i}", pfit, blocks(cfg.gpus_per_prefill), bs, self,
-                                         token_budget=cfg.prefill_token_budget, kv_bytes_per_token=self.kv_bpt)
-                           for i in range(cfg.prefill)]
+        self.prefillers: list[PrefillWorker] = []
+        # the served models: the pools', or the one model (named by its architecture, as a worker names its files)
+        self.multi = bool(cfg.pools)
+        self.pools = list(cfg.pools) if cfg.pools else [
+            ModelPool(cfg.model, cfg.prefill, cfg.decode, cfg.max_loras, cfg.lora_load_s)]
+        self.default_model = self.pools[0].name
+        self.model_of: dict[str, str] = {}  # worker id -> the model it serves
+        self._spec_of: dict[str, ModelSpec] = {}  # worker id -> its model's architecture (multi-model)
+        if not self.multi:
+            for i in range(cfg.decode + cfg.long_decode):
+                pool = "long" if i >= cfg.decode else "general"
+                w = DecodeWorker(f"d{i}" if pool == "general" else f"ld{i - cfg.decode}", dfit,
+                                 blocks(cfg.gpus_per_decode), bs, self, max_seqs=cfg.max_seqs,
+                                 token_budget=cfg.decode_token_budget, chunked=cfg.chunked_prefill, pool=pool,
+                                 fused=cfg.fused_steps, ctx_budget=cfg.decode_ctx_budget)
+                self.decoders.append(w)
+            self.prefillers = [PrefillWorker(f"p{i}", pfit, blocks(cfg.gpus_per_prefill), bs, self,
+                                             token_budget=cfg.prefill_token_budget, kv_bytes_per_token=self.kv_bpt)
+                               for i in range(cfg.prefill)]
+        else:
+            for mp in self.pools:
+                self._add_pool(mp, pfit, dfit, blocks)
         self.workers: list[DecodeWorker | PrefillWorker] = [*self.decoders, *self.prefillers]
         self.by_id = {w.wid: w for w in self.workers}
+        top = self.pools[0]
+        for wk in self.workers:
+            self.model_of.setdefault(wk.wid, top.name)
+            if not self.multi and top.max_loras:
+                wk.lru, wk.lora_load_s = AdapterLru(top.max_loras), top.lora_load_s
+        # what each worker's last heartbeat listed as loaded (workers without on-demand slots have every adapter)
+        self.hb_adapters: dict[str, frozenset[str]] = {}
 
         # --- the live router's objects --------------------------------------------------------------------
         self.index = PrefixIndex()
         self.disagg = live_disagg(cfg.disagg_threshold, cfg.max_stall_ms, cfg.decoder_prefill_tps)
-        self.router = build_router(cfg.strategy, self.disagg, self.index, cfg.long_prompt_tokens)
+        # the live router's policies: one per pool with its own strategy or threshold (routing.policies)
+        own = {mp.name: (mp.strategy or cfg.strategy, self.disagg if mp.disagg_threshold is None else
+                         replace(self.disagg, min_uncached_tokens=mp.disagg_threshold))
+               for mp in (cfg.pools or []) if mp.strategy is not None or mp.disagg_threshold is not None}
+        self.router = build_policies(cfg.strategy, self.disagg, self.index, cfg.long_prompt_tokens, own)
         self.tenants = load_tenants(cfg.tenants_file) if cfg.tenants_file else TenantsConfig.open_mode()
         self.quota = QuotaBook(self.tenants)
         self.fair = FairScheduler(self.tenants.weight)
@@ -161,8 +239,10 @@ class Sim:
         self._pos: dict[str, int] = {}
         self._n_decode_views = 0
         self.book: RequestBook[Flight] = RequestBook()  # the live router's flight table and slot ledger
-        self.queues: dict[str, deque[SimRequest]] = {}
-        self.pending: dict[str, int] = {}
+        # queue lanes per served model (None: the one model), each per tenant, as the live router's lanes are
+        lanes: list[str | None] = [mp.name for mp in self.pools] if self.multi else [None]
+        self.lanes: dict[str | None, dict[str, deque[SimRequest]]] = {m: {} for m in lanes}
+        self.lane_pending: dict[str | None, dict[str, int]] = {m: {} for m in lanes}
         self.done: list[Seq] = []
         self.refused: list[tuple[SimRequest, str]] = []
         self.failed: list[tuple[SimRequest, str]] = []
@@ -176,6 +256,36 @@ class Sim:
         self.util_dt = self.horizon / nb
         self.util = {"prefill": [0.0] * (nb + 1), "decode": [0.0] * (nb + 1)}
 
+    def _add_pool(self, mp: ModelPool, pfit: StepFit, dfit: StepFit, blocks: Any) -> None:
+        """One model's workers, named ``{model}/d{i}`` and ``{model}/p{i}``."""
+        cfg = self.cfg
+        arch = model_spec(mp.arch) if mp.arch else self.spec
+        if mp.latency is not None:
+            pfit = dfit = _fit(mp.latency)
+        ws: list[DecodeWorker | PrefillWorker] = []
+        for i in range(mp.decode):
+            d = DecodeWorker(f"{mp.name}/d{i}", dfit, blocks(cfg.gpus_per_decode, arch), cfg.block_size, self,
+                             max_seqs=cfg.max_seqs, token_budget=cfg.decode_token_budget, chunked=cfg.chunked_prefill,
+                             fused=cfg.fused_steps, ctx_budget=cfg.decode_ctx_budget)
+            self.decoders.append(d)
+            ws.append(d)
+        for i in range(mp.prefill):
+            p = PrefillWorker(f"{mp.name}/p{i}", pfit, blocks(cfg.gpus_per_prefill, arch), cfg.block_size, self,
+                              token_budget=cfg.prefill_token_budget, kv_bytes_per_token=arch.kv_bytes_per_token)
+            self.prefillers.append(p)
+            ws.append(p)
+        for w in ws:
+            self.model_of[w.wid] = mp.name
+            self._spec_of[w.wid] = arch
+            if mp.max_loras:
+                w.lru, w.lora_load_s = AdapterLru(mp.max_loras), mp.lora_load_s
+
+    def model_for(self, r: SimRequest) -> str:
+        """The served model a request gets (none named: the default; with one model, any name is it)."""
+        if not self.multi or not r.model:
+            return self.default_model
+        return r.model
+
     # ------------------------------------------------------------------------------------------ heartbeats
     def _heartbeat(self, w: DecodeWorker | PrefillWorker, schedule: bool = True) -> None:
         now = self.loop.now
@@ -185,6 +295,8 @@ class Sim:
         view = view_from_load(w.wid, w.role, pool, ld)
         held = w.active()
         wid = w.wid
+        if w.lru is not None:  # the heartbeat's ``adapters`` (every pool adapter is in ``adapters_available``)
+            self.hb_adapters[wid] = frozenset(w.lru.loaded())
         if self.cfg.record:  # the heartbeat's active_requests: request keys (ids are unique per tenant only)
             self.log.append(("hb", now, wid, w.role, pool, {
                 "active_seqs": active, "queued_requests": ld.queued_requests,
@@ -201,7 +313,8 @@ class Sim:
         # pending-load ledger (this worker's own figures count it now).
         release = self.router.release
         for key in self.book.heartbeat(wid, w.role, [s.key for s in held], now, running=active + ld.queued_requests,
-                                       max_seqs=w.max_seqs if isinstance(w, DecodeWorker) else None, pool=pool):
+                                       max_seqs=w.max_seqs if isinstance(w, DecodeWorker) else None, pool=pool,
+                                       model=self.model_of[wid] if self.multi else None):
             release(key, wid)
         if schedule:
             self.loop.after(self.cfg.heartbeat_s, self._hb_event, w)
@@ -235,7 +348,12 @@ class Sim:
     # ------------------------------------------------------------------------------------------ requests
     def _arrive(self, r: SimRequest) -> None:
         now = self.loop.now
-        q = self.queues.get(r.tenant)
+        lane = self.model_for(r) if self.multi else None
+        queues = self.lanes.get(lane)
+        if queues is None:  # intake refuses a model not served (model_not_found)
+            self.refused.append((r, "model_not_found"))
+            return
+        q = queues.get(r.tenant)
         queued = len(q) if q else 0
         refusal = self.quota.check(r.tenant, r.prompt_tokens, r.output_tokens, queued, now)
         if refusal is not None:
@@ -246,21 +364,25 @@ class Sim:
             self._route(r)
             return
         if q is None:
-            q = self.queues[r.tenant] = deque()
+            q = queues[r.tenant] = deque()
         q.append(r)
-        self.pending[r.tenant] = len(q)
+        self.lane_pending[lane][r.tenant] = len(q)
         self._dispatch()
 
     def _dispatch(self) -> None:
         if not self.cfg.queue:
             return
-        pending = self.pending
+        for lane, queues in self.lanes.items():
+            self._dispatch_lane(lane, queues, self.lane_pending[lane])
+
+    def _dispatch_lane(self, lane: str | None, queues: dict[str, deque[SimRequest]], pending: dict[str, int]) -> None:
+        """Pull one model's queued requests while its decoders have free slots (None: the one model's, all)."""
         book = self.book
-        while (free := book.free_slots(self.loop.now)) > 0:
+        while (free := book.free_slots(self.loop.now, lane)) > 0:
             tenant = self.fair.pick(pending)
             if tenant is None:
                 return
-            q = self.queues[tenant]
+            q = queues[tenant]
             for _ in range(min(dispatch_batch(free), len(q))):
                 self._route(q.popleft())
             pending[tenant] = len(q)
@@ -268,12 +390,14 @@ class Sim:
     def _route(self, r: SimRequest) -> None:
         now = self.loop.now
         cfg = self.cfg
-        hashes = r.hashes(cfg.block_size)
+        scoped = self.multi or r.lora is not None
+        model = self.model_for(r) if scoped else None
+        hashes = r.hashes(cfg.block_size, model)  # salted per (model, adapter) as the live router does
         key = request_key(r.tenant, r.request_id)  # as the live router names it (ids are unique per tenant)
         rreq = RoutingRequest(request_id=key, tenant=r.tenant, block_hashes=hashes,
                               prompt_tokens=r.prompt_tokens, session_key=r.session)
         try:
-            d = self.router.decide(rreq, self.views, now)
+            d = self.router.decide(rreq, self._candidates(r, model) if scoped else self.views, now, model)
         except NoWorkers as exc:
             self.failed.append((r, str(exc)))
             self.quota.finish(r.tenant, r.request_id, None, now)
@@ -295,6 +419,23 @@ class Sim:
         else:
             self.loop.after(cfg.bus_delay_s, self._to_decoder, s)
 
+    def _candidates(self, r: SimRequest, model: str | None) -> list[WorkerView]:
+        """The live router's candidates for a request of ``model``: that model's workers (``_live()``), then for an
+        adapter the affinity rule over what their heartbeats listed loaded (``adapter_views``)."""
+        views = self.views
+        if self.multi:
+            of = self.model_of
+            views = [v for v in views if of[v.worker_id] == model]
+        lora = r.lora
+        if lora is None:
+            return views
+        hb = self.hb_adapters
+        loaded = {v.worker_id for v in views if v.worker_id not in hb or lora in hb[v.worker_id]}
+        decoders = [v for v in views if v.role == "decode"]
+        prefillers = [v for v in views if v.role != "decode"]
+        out, _ = adapter_views(decoders, prefillers, loaded, self.cfg.lora_affinity)
+        return out
+
     def _to_prefiller(self, s: Seq) -> None:
         self.by_id[s.prefiller].submit(s)  # type: ignore[index,union-attr]
 
@@ -304,7 +445,8 @@ class Sim:
     # ------------------------------------------------------------------------------------------ worker callbacks
     def transfer_s(self, s: Seq, nbytes: int, compute_s: float) -> float:
         self.kv_bytes += nbytes
-        return self.fabric.transfer_s(nbytes, compute_s, self.spec.layers) + self.cfg.bus_delay_s
+        layers = self._spec_of[s.decoder].layers if self.multi else self.spec.layers
+        return self.fabric.transfer_s(nbytes, compute_s, layers) + self.cfg.bus_delay_s
 
     def kv_landed(self, s: Seq) -> None:
         # The prefiller's first token reaches the client with the KV hand-off.

@@ -8,6 +8,10 @@
   requests per second that met both (over the arrival span).
 * Utilisation: busy time / elapsed, per worker and per pool over time (``util_buckets`` slices).
 * Cache hit ratio: prompt tokens served from a prefix cache / prompt tokens; KV bytes moved between pools.
+* Several models or LoRA adapters: ``models`` (per served model: TTFT and TPOT percentiles, throughput -
+  finished requests over the span from its first arrival to its last finish - and its workers' adapter loads,
+  loads per finished request, and the most adapters any of its workers held at once) and ``adapters`` (the same
+  over the cluster). Absent for a single-model run without adapters, whose summary is what it always was.
 """
 
 from __future__ import annotations
@@ -116,7 +120,8 @@ def collect(sim: Sim) -> SimResult:
             if s.itls:
                 k["itl_max"].append(s.itl_max)
                 k["itl_mean"].append(s.itl_sum / s.itls)
-        rows.append({"id": r.request_id, "kind": r.kind, "tenant": r.tenant, "arrival_s": round(r.arrival_s, 4),
+        rows.append({"id": r.request_id, "kind": r.kind, "tenant": r.tenant, "model": r.model, "lora": r.lora,
+                     "arrival_s": round(r.arrival_s, 4),
                      "prompt": r.prompt_tokens, "output": r.output_tokens, "route": s.route, "decoder": s.decoder,
                      "prefiller": s.prefiller, "cached_tokens": s.cached_tokens, "ttft_s": round(t1, 5),
                      "tpot_s": round(tp, 5), "e2e_s": round(s.finish_s - r.arrival_s, 5),
@@ -153,9 +158,44 @@ def collect(sim: Sim) -> SimResult:
         "by_kind": {k: {**{m: _pcts(v) for m, v in d.items()}, "itl": _pcts(sim.itl_by_kind.get(k, ()))}
                     for k, d in kinds.items()},
     }
+    if sim.multi or any(w.lru is not None for w in sim.workers) or any(r.lora for r in sim.requests):
+        models = _per_model(sim)
+        summary["models"] = models
+        summary["adapters"] = _adapters(sim, models)
     nd = max(1, sum(1 for w in sim.workers if w.role == "decode"))
     npf = max(1, sum(1 for w in sim.workers if w.role == "prefill"))
     dt = sim.util_dt
     series = {"decode": [x / (dt * nd) for x in sim.util["decode"]],
               "prefill": [x / (dt * npf) for x in sim.util["prefill"]]}
     return SimResult(cfg.describe(), summary, rows, ttft, itl, tpot, series, dt)
+
+
+def _per_model(sim: Sim) -> dict[str, dict[str, Any]]:
+    """Each served model's figures (see the module docstring)."""
+    out: dict[str, dict[str, Any]] = {}
+    for mp in sim.pools:
+        done = [s for s in sim.done if sim.model_for(s.req) == mp.name]
+        ttft = [s.first_token_s - s.req.arrival_s for s in done]
+        tpot = [(s.finish_s - s.first_token_s) / (s.req.output_tokens - 1) for s in done if s.req.output_tokens > 1]
+        asked = [r for r in sim.requests if sim.model_for(r) == mp.name]
+        span = (max(s.finish_s for s in done) - min(r.arrival_s for r in asked)) if done else 0.0
+        ws = [w for w in sim.workers if sim.model_of[w.wid] == mp.name]
+        loads = sum(w.lru.loads for w in ws if w.lru is not None)
+        out[mp.name] = {
+            "requests": len(asked), "finished": len(done), "prefill": mp.prefill, "decode": mp.decode,
+            "ttft_s": _pcts(ttft), "tpot_s": _pcts(tpot),
+            "throughput_rps": round(len(done) / span, 4) if span > 0 else 0.0,
+            "adapter_requests": sum(1 for s in done if s.req.lora), "max_loras": mp.max_loras,
+            "adapter_loads": loads, "loads_per_request": round(loads / len(done), 4) if done else 0.0,
+            "peak_loaded": max((w.lru.peak for w in ws if w.lru is not None), default=0),
+        }
+    return out
+
+
+def _adapters(sim: Sim, models: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The adapter figures over the cluster."""
+    loads = sum(m["adapter_loads"] for m in models.values())
+    done = len(sim.done)
+    return {"affinity": sim.cfg.lora_affinity, "requests": sum(m["adapter_requests"] for m in models.values()),
+            "loads": loads, "loads_per_request": round(loads / done, 4) if done else 0.0,
+            "peak_loaded": max((m["peak_loaded"] for m in models.values()), default=0)}

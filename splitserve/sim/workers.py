@@ -18,6 +18,14 @@ the latency model how long that batch takes, and applies the batch's effects whe
 Both keep a prefix cache of finished prompts' full blocks (LRU, sharing the KV pool) and publish vLLM-style
 KV event batches (:mod:`splitserve.cache.events`) with per-worker sequence numbers - the same structs the
 live router's index consumes. Loads for heartbeats are read off the worker by the cluster.
+
+LoRA adapters (``lru``: the worker's ``--max-loras`` slots, :class:`~splitserve.routing.adapter_lru.AdapterLru`):
+a sequence whose adapter is not loaded has it loaded when it is admitted (a prefill batch, a decoder's admission),
+evicting the least recently used adapter no running sequence holds; the load (``lora_load_s``) is added to that
+step, so every stream of the worker waits for it, as the engine's own load blocks its loop. A sequence whose
+adapter cannot be loaded (every slot held by running sequences) waits while later ones are admitted, as the live
+decoder admits the first pending job whose adapter can be ready; a prefill batch stops at it. Without ``lru``
+every adapter is loaded and nothing is loaded on demand.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from splitserve.cache.events import KvEvent, KvEventBatch, batch, removed, stored
 from splitserve.proto import WorkerLoad, request_key
+from splitserve.routing.adapter_lru import AdapterLru
 from splitserve.routing.load import decoder_load, prefiller_load
 
 if TYPE_CHECKING:
@@ -205,6 +214,18 @@ class _Worker:
         self.kv_seq = -1
         self.step_ms_ema: float | None = None
         self.pool = "general"
+        self.lru: AdapterLru | None = None  # LoRA slots loaded on demand (None: every adapter loaded)
+        self.lora_load_s = 0.0  # one adapter load
+        self.lora_wait_s = 0.0  # adapter loads the next step pays for
+
+    def _lora_admit(self, lru: AdapterLru, s: Seq, held: set[str]) -> None:
+        """``s`` is admitted: its adapter is made ready (a load is paid by this step) and held."""
+        name = s.req.lora
+        if name is None:
+            return
+        if lru.admit(name, held):
+            self.lora_wait_s += self.lora_load_s
+        held.add(name)
 
     def flush_events(self) -> None:
         ev = self.cache.events
@@ -264,20 +285,42 @@ class PrefillWorker(_Worker):
             self.busy = False
             self.flush_events()
             return
-        batch = [self.q.popleft()]
-        tokens = batch[0].todo
-        while self.q and tokens + self.q[0].todo <= self.token_budget:
-            s = self.q.popleft()
-            tokens += s.todo
-            batch.append(s)
+        lru = self.lru
+        if lru is None:
+            batch = [self.q.popleft()]
+            tokens = batch[0].todo
+            while self.q and tokens + self.q[0].todo <= self.token_budget:
+                s = self.q.popleft()
+                tokens += s.todo
+                batch.append(s)
+        else:
+            batch, tokens = self._lora_batch(lru)
         self.queued_tokens -= tokens
         dur = self.model.prefill_ms([s.todo for s in batch]) / 1000.0
+        if self.lora_wait_s:
+            dur += self.lora_wait_s
+            self.lora_wait_s = 0.0
         for s in batch:
             s.prefill_start_s = loop.now
         self.busy = True
         self.batch = batch
         self._ran(dur)
         loop.after(dur, self._step)
+
+    def _lora_batch(self, lru: AdapterLru) -> tuple[list[Seq], int]:
+        """The FCFS batch while its adapters fit the slots (a batch holds every adapter it runs with), with its
+        adapters loaded; and its tokens."""
+        q = self.q
+        held: set[str] = set()  # nothing runs between batches: the first prompt's adapter always fits
+        first = q.popleft()
+        self._lora_admit(lru, first, held)
+        batch, tokens = [first], first.todo
+        while q and tokens + q[0].todo <= self.token_budget and lru.can_admit(q[0].req.lora, held):
+            s = q.popleft()
+            self._lora_admit(lru, s, held)
+            tokens += s.todo
+            batch.append(s)
+        return batch, tokens
 
     def _done(self, batch: list[Seq]) -> None:
         now = self.c.loop.now
@@ -346,8 +389,18 @@ class DecodeWorker(_Worker):
         bs = self.bs
         cache = self.cache
         now = self.c.loop.now
+        lru = self.lru
+        held: set[str] = set()
+        if lru is not None:
+            held = {s.req.lora for s in (*self.running, *self.prefilling) if s.req.lora is not None}
         while w and len(self.running) + len(self.prefilling) < self.max_seqs:
-            s = w[0]
+            if lru is None:
+                s = w[0]
+            else:
+                nxt = self._lora_next(lru, held)
+                if nxt is None:
+                    break  # every waiting sequence's adapter waits for a slot a running sequence holds
+                s = nxt
             p = s.req.prompt_tokens
             if s.route == "direct" or s.recompute:
                 hit = 0 if s.recompute else cache.match(s.hashes)
@@ -373,6 +426,8 @@ class DecodeWorker(_Worker):
                 s.blocks = need
                 s.alloc = (need + len(s.pinned)) * bs
                 self.prefilling.append(s)
+                if lru is not None:
+                    self._lora_admit(lru, s, held)
             else:
                 need = -(-p // bs) + 1
                 if not cache.reserve(need):
@@ -386,6 +441,20 @@ class DecodeWorker(_Worker):
                 s.ctx = p
                 self.ctx_sum += p
                 self.running.append(s)
+                if lru is not None:
+                    self._lora_admit(lru, s, held)
+
+    def _lora_next(self, lru: AdapterLru, held: set[str]) -> Seq | None:
+        """The first waiting sequence whose adapter can be ready without waiting, moved to the head of the line
+        (None: none can). Admitting one that must wait would stall every stream: the others go first."""
+        w = self.waiting
+        for i, s in enumerate(w):
+            if lru.can_admit(s.req.lora, held):
+                if i:
+                    del w[i]
+                    w.appendleft(s)
+                return s
+        return None
 
     def _grow(self, s: Seq) -> bool:
         """``s`` needs one more block; preempt the youngest running sequences until it gets one.
@@ -471,6 +540,9 @@ class DecodeWorker(_Worker):
         if decodes and not chunks:
             e = self.step_ms_ema
             self.step_ms_ema = dur * 1000.0 if e is None else 0.8 * e + 0.2 * dur * 1000.0
+        if self.lora_wait_s:  # (after the step-time figure: a load is not the engine's step)
+            dur += self.lora_wait_s
+            self.lora_wait_s = 0.0
         self.busy = True
         self.step_batch = (list(decodes), chunks)
         now = loop.now

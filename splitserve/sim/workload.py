@@ -13,6 +13,11 @@ Loaders (files under ``../shared/data/traces/``, see that folder's README):
 * :func:`synthetic` - a seeded mix (optionally with shared prefixes as real token ids, which is what the
   live-router equivalence test uses) and :func:`rag_mix` - long-context RAG prompts beside short chat streams.
 
+Several models and LoRA adapters: :func:`assign_models` gives requests a served model by a seeded mix,
+:func:`assign_adapters` a LoRA adapter of Zipf popularity (or the base model). A request's prefix cache is then
+scoped to (model, adapter) by the salt the live router uses (:func:`scoped_salt`), so no prompt hits another
+model's or adapter's blocks.
+
 :func:`scale_rate` multiplies the arrival rate (divides inter-arrival times). Bad files and rows raise
 :class:`WorkloadError` naming the file and line.
 """
@@ -20,16 +25,17 @@ Loaders (files under ``../shared/data/traces/``, see that folder's README):
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
-from splitserve.cache.hashing import MOONCAKE_BLOCK_TOKENS, hash_token_blocks, mooncake_block_hashes
+from splitserve.cache.hashing import MOONCAKE_BLOCK_TOKENS, hash_token_blocks, mooncake_block_hashes, root_hash
 from splitserve.tenancy.config import TenantsConfig
 
 # The salts of a cluster without a tenants file (per tenant name): what the live router gives each request.
@@ -41,6 +47,9 @@ __all__ = [
     "TRACE_FILES",
     "SimRequest",
     "WorkloadError",
+    "adapter_name",
+    "assign_adapters",
+    "assign_models",
     "load_azure",
     "load_mooncake",
     "load_sharegpt",
@@ -48,7 +57,9 @@ __all__ = [
     "poisson_arrivals",
     "rag_mix",
     "scale_rate",
+    "scoped_salt",
     "synthetic",
+    "zipf_weights",
 ]
 
 # ``../shared/data`` beside the checkout (the project's layout; CI has the same copy); overridable.
@@ -74,7 +85,11 @@ class SimRequest:
     ``hash_ids`` (Mooncake) or ``token_ids`` (synthetic) give the prompt's block hashes; with neither the
     prompt is unique. ``hashes(block_size)`` computes them once per block size. Token prompts are hashed under
     their tenant's cache salt, as the live router does without a tenants file (tenants never share cached
-    prefixes); Mooncake rows have no tenant of their own (all "default") and keep the trace's id space."""
+    prefixes); Mooncake rows have no tenant of their own (all "default") and keep the trace's id space.
+
+    ``model`` (None: the cluster's default) and ``lora`` (None: the base model) say what serves it. The cluster
+    passes ``hashes`` the model to scope the prefix cache to (model, ``lora``) when the live router would (several
+    models, or an adapter); unscoped hashes are those of a single-model cluster."""
 
     request_id: str
     arrival_s: float
@@ -85,27 +100,45 @@ class SimRequest:
     hash_ids: tuple[int, ...] = ()
     token_ids: list[int] | None = None
     kind: str = ""  # a label for reports (e.g. "long" / "short" in the RAG mix)
+    model: str | None = None
+    lora: str | None = None
     _hashes: list[int] | None = field(default=None, repr=False)
     _hash_bs: int = field(default=0, repr=False)
+    _hash_scope: str | None = field(default=None, repr=False)
 
-    def hashes(self, block_size: int) -> list[int]:
-        if self._hashes is not None and self._hash_bs == block_size:
+    def hashes(self, block_size: int, scope_model: str | None = None) -> list[int]:
+        """The prompt's block hashes; ``scope_model``: scoped to that model and this request's adapter (as the live
+        router salts a request when it serves several models or the request names an adapter)."""
+        if self._hashes is not None and self._hash_bs == block_size and self._hash_scope == scope_model:
             return self._hashes
         if self.token_ids is not None:
-            out = hash_token_blocks(self.token_ids, block_size, cache_salt=_OPEN.cache_salt(self.tenant))
+            salt = _OPEN.cache_salt(self.tenant)
+            if scope_model is not None:
+                salt = scoped_salt(salt, scope_model, self.lora)
+            out = hash_token_blocks(self.token_ids, block_size, cache_salt=salt)
         elif self.hash_ids:
             if MOONCAKE_BLOCK_TOKENS % block_size:
                 raise WorkloadError(f"block size {block_size} does not divide the Mooncake block (512 tokens)")
             full = self.prompt_tokens // block_size  # a trailing partial block is never hashed
             per = MOONCAKE_BLOCK_TOKENS // block_size
-            out = mooncake_block_hashes(self.hash_ids[: -(-full // per)], block_size)[:full]
+            # the trace's own chain root, scoped the way a token prompt's salt is
+            parent = None if scope_model is None else root_hash(scoped_salt("mooncake", scope_model, self.lora))
+            out = mooncake_block_hashes(self.hash_ids[: -(-full // per)], block_size, parent=parent)[:full]
         else:
             out = []
-        self._hashes, self._hash_bs = out, block_size
+        self._hashes, self._hash_bs, self._hash_scope = out, block_size, scope_model
         return out
 
     def drop_hashes(self) -> None:
         self._hashes = None
+
+
+def scoped_salt(salt: str, model: str, lora: str | None) -> str:
+    """A cache salt scoped to (model, adapter), as the live router's ``_cache_salt`` writes it: ``|m:`` and 12 hex
+    digits of the SHA-256 of both (a tenant's salt holds no ``|``), so no prompt hits another model's or adapter's
+    blocks."""
+    scope = f"{model}\0{lora or ''}".encode("utf-8", "surrogatepass")
+    return f"{salt}|m:{hashlib.sha256(scope).hexdigest()[:12]}"
 
 
 def _path(name_or_path: str | Path) -> Path:
@@ -275,4 +308,48 @@ def rag_mix(
     out.sort(key=lambda r: r.arrival_s)
     for i, r in enumerate(out):
         r.request_id = f"{r.kind}{i}"
+    return out
+
+
+def zipf_weights(n: int, s: float) -> list[float]:
+    """Zipf popularity of ``n`` items: the k-th (from 0) weighs 1 / (k + 1) ** s."""
+    return [1.0 / (k + 1) ** s for k in range(n)]
+
+
+def assign_models(requests: Sequence[SimRequest], mix: Mapping[str, float], seed: int = 0) -> list[SimRequest]:
+    """The same requests, each given a served model drawn from ``mix`` (name -> weight; weights need not sum to
+    1), seeded."""
+    names = list(mix)
+    weights = [float(mix[m]) for m in names]
+    if not names or min(weights) < 0 or sum(weights) <= 0:
+        raise WorkloadError("a model mix needs at least one model and non-negative weights that are not all 0")
+    rng = random.Random(seed)
+    picks = rng.choices(names, weights=weights, k=len(requests))
+    return [replace(r, model=m, _hashes=None, _hash_bs=0, _hash_scope=None)
+            for r, m in zip(requests, picks, strict=True)]
+
+
+def adapter_name(model: str | None, k: int) -> str:
+    """The ``k``-th adapter of ``model`` (None: the cluster's one model) as the workload names it."""
+    return f"{model}/lora-{k:03d}" if model else f"lora-{k:03d}"
+
+
+def assign_adapters(requests: Sequence[SimRequest], n_adapters: int, zipf_s: float = 1.1, share: float = 1.0,
+                    seed: int = 0) -> list[SimRequest]:
+    """The same requests, a ``share`` of them (seeded) for a LoRA adapter of their model, drawn among
+    ``n_adapters`` per model with Zipf popularity (exponent ``zipf_s``); the rest for the base model. Adapters of
+    different models are different adapters (:func:`adapter_name`)."""
+    if n_adapters < 1:
+        raise WorkloadError("the number of adapters must be >= 1")
+    if not 0.0 <= share <= 1.0:
+        raise WorkloadError("the adapter share must be within [0, 1]")
+    rng = random.Random(seed)
+    weights = zipf_weights(n_adapters, zipf_s)
+    ranks = range(n_adapters)
+    out = []
+    for r in requests:
+        use = rng.random() < share
+        k = rng.choices(ranks, weights=weights)[0]  # drawn either way: the mix of one share is the other's
+        out.append(replace(r, lora=adapter_name(r.model, k) if use else None, _hashes=None, _hash_bs=0,
+                           _hash_scope=None))
     return out
