@@ -74,8 +74,10 @@ def _load_up_config(ctx: typer.Context, param: Any, value: Path | None) -> Path 
         if name == "models":  # the model pools: a list, handed to up through its hidden --models-json
             import dataclasses
 
+            from splitserve.stack import parse_model_pools
+
             try:
-                pools = _model_pools(v)
+                pools = parse_model_pools(v)
             except ValueError as exc:
                 raise typer.BadParameter(f"{value}: {exc}", param_hint="--config") from None
             out["models_json"] = json.dumps([dataclasses.asdict(p) for p in pools])
@@ -89,58 +91,6 @@ def _load_up_config(ctx: typer.Context, param: Any, value: Path | None) -> Path 
     return value
 
 
-# A config's `models:` list: one pool of workers per served model (splitserve.stack.ModelPool).
-MODEL_POOL_KEYS = ("name", "model", "prefill", "decode", "lora_modules", "strategy", "disagg_threshold")
-
-
-def _lora_pairs(value: Any, where: str) -> tuple[tuple[str, str], ...]:
-    """LoRA adapters as a config gives them: a mapping NAME: PATH, or a list of NAME=PATH (or [NAME, PATH])."""
-    from splitserve.engines.model_files import parse_lora_modules
-
-    if isinstance(value, dict):
-        items = [f"{k}={v}" for k, v in value.items()]
-    elif isinstance(value, list):
-        items = ["=".join(map(str, x)) if isinstance(x, list) else str(x) for x in value]
-    else:
-        raise ValueError(f"{where}: lora_modules must be a mapping of NAME: PATH")
-    try:
-        return parse_lora_modules(items)
-    except ValueError as exc:
-        raise ValueError(f"{where}: {exc}") from None
-
-
-def _model_pools(data: Any) -> list[Any]:
-    """The ``models:`` list of an up config as ModelPools; ValueError naming the item and key at fault."""
-    from splitserve.stack import ModelPool, check_pools
-
-    if not isinstance(data, list) or not data:
-        raise ValueError("models: must be a non-empty list of {name, model, prefill, decode} mappings")
-    pools = []
-    for i, item in enumerate(data):
-        if not isinstance(item, dict):
-            raise ValueError(f"models[{i}] must be a mapping with keys {', '.join(MODEL_POOL_KEYS)}")
-        fields: dict[str, Any] = {}
-        for key, v in item.items():
-            k = str(key).replace("-", "_")
-            if k not in MODEL_POOL_KEYS:
-                raise ValueError(f"models[{i}]: unknown key {key!r}; the keys are {', '.join(MODEL_POOL_KEYS)}")
-            fields[k] = v
-        if "name" not in fields:
-            raise ValueError(f"models[{i}] needs a name")
-        if not isinstance(fields["name"], str):
-            raise ValueError(f"models[{i}]: name must be a string (quote it), not {fields['name']!r}")
-        if fields.get("model") is not None and not isinstance(fields["model"], str):
-            raise ValueError(f"models[{i}] ({fields['name']}): model must be a path string, not {fields['model']!r}")
-        if "lora_modules" in fields:
-            fields["lora_modules"] = _lora_pairs(fields["lora_modules"], f"models[{i}] ({fields['name']})")
-        pool = ModelPool(**fields)
-        try:
-            pool.check()
-        except ValueError as exc:
-            raise ValueError(f"models[{i}]: {exc}") from None
-        pools.append(pool)
-    check_pools(pools)
-    return pools
 
 
 NatsUrlOpt = typer.Option(None, "--nats-url", help="NATS server, or a cluster's servers comma-separated "
@@ -242,16 +192,16 @@ def up(
                                            help="the model pools as JSON (what a config's `models:` sets)"),
 ) -> None:
     """Start NATS and every service; Ctrl-C stops them all."""
-    from splitserve.stack import BUNDLED_MODEL, Stack, StackConfig, run_stack
+    from splitserve.stack import BUNDLED_MODEL, Stack, StackConfig, lora_pairs, parse_model_pools, run_stack
 
     pools = []
     if models_json is not None:
         try:
-            pools = _model_pools(json.loads(models_json))
+            pools = parse_model_pools(json.loads(models_json))
         except ValueError as exc:  # json.JSONDecodeError included
             raise typer.BadParameter(str(exc), param_hint="models (--config)") from None
     try:
-        loras = _lora_pairs(list(lora_modules), "--lora-modules")
+        loras = lora_pairs(list(lora_modules), "--lora-modules")
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--lora-modules") from None
     if colocated:

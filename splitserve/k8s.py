@@ -13,21 +13,27 @@
 - ``lanes``: creates those queue consumers before any request arrives (the routers' init container). The
   routers create them lazily, and KEDA's scaler reads a missing consumer's lag as the stream's last sequence
   number, which would scale both pools to their maximum.
+- ``pools``: several served models (an ``up`` config's ``models:`` list): an overlay with a prefill and a
+  decode StatefulSet per model, made from the base's pools (``prefill-<slug>``, ``decode-<slug>``: see
+  :func:`model_slug`), the routers serving every model, and KEDA ScaledObjects per model pool on that model's
+  own lanes and workers only.
 
-The builders (:func:`secret_manifests`, :func:`scaled_objects`) are pure and return plain manifests; the
-commands print YAML. Queue names come from the router's own work-queue module, so they cannot drift.
+The builders (:func:`secret_manifests`, :func:`scaled_objects`, :func:`pools_files`) are pure and return plain
+manifests; the commands print (or write) YAML. Queue names come from the router's own work-queue module, so
+they cannot drift.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import os
 import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +45,8 @@ from splitserve.tenancy import natsauth
 from splitserve.tenancy.config import TenantsConfig, load_tenants
 from splitserve.tenancy.natsauth import StackAuth
 
-app = typer.Typer(no_args_is_help=True, help="Kubernetes: Secrets, KEDA autoscaling and queue setup for deploy/k8s")
+app = typer.Typer(no_args_is_help=True,
+                  help="Kubernetes: Secrets, KEDA autoscaling, queue setup and per-model pools for deploy/k8s")
 
 PART_OF = "splitserve"
 LABELS = {"app.kubernetes.io/part-of": PART_OF}
@@ -164,14 +171,19 @@ def dump_yaml(docs: Sequence[dict[str, Any]], header: str = "") -> str:
 # ---------------------------------------------------------------------------------------------- autoscale
 
 
-def queue_consumers(tenants: TenantsConfig, models: list[str] | None = None) -> list[tuple[str, int, str]]:
+def queue_consumers(tenants: TenantsConfig, models: list[str] | None = None, *,
+                    model: str | None = None) -> list[tuple[str, int, str]]:
     """(tenant, class, durable consumer name) of every lane of the request queue (a lane per tenant, served
     model and class; ``models``: the routers' served model names, default the bundled model), in a stable
-    order."""
+    order; ``model`` (one of ``models``): only that model's lanes."""
     # The contract's naming, which the routers' work queue uses too.
     from splitserve.proto import Subjects, model_pools
 
     pools = model_pools(models) if models else [Subjects.SINGLE_POOL]
+    if model is not None:
+        if not models or model not in models:
+            raise ValueError(f"model {model!r} is not one of the served models {models!r}")
+        pools = [pools[models.index(model)]]  # a pool token, not the name: one model's lanes are `default`
     return [(t, k, Subjects.queue_consumer(t, k, p)) for t in sorted(tenants.tenants) for p in pools
             for k in range(Subjects.QUEUE_CLASSES)]
 
@@ -246,11 +258,11 @@ class AutoscalePolicy:
 
 
 def _lane_triggers(tenants: TenantsConfig, policy: AutoscalePolicy, lag: int,
-                   models: list[str] | None = None) -> list[dict[str, Any]]:
+                   models: list[str] | None = None, model: str | None = None) -> list[dict[str, Any]]:
     return [{"type": "nats-jetstream", "name": f"queue-{consumer}",
              "metadata": {"natsServerMonitoringEndpoint": policy.monitor, "account": "$G",
                           "stream": Subjects.QUEUE_STREAM, "consumer": consumer, "lagThreshold": str(lag)}}
-            for _, _, consumer in queue_consumers(tenants, models)]
+            for _, _, consumer in queue_consumers(tenants, models, model=model)]
 
 
 def _prometheus(name: str, policy: AutoscalePolicy, query: str, threshold: str,
@@ -263,11 +275,18 @@ def _prometheus(name: str, policy: AutoscalePolicy, query: str, threshold: str,
 
 
 def _scaled_object(pool: str, lo: int, hi: int, policy: AutoscalePolicy,
-                   triggers: list[dict[str, Any]]) -> dict[str, Any]:
+                   triggers: list[dict[str, Any]], model: str | None = None) -> dict[str, Any]:
+    role = pool
+    meta: dict[str, Any] = {"name": pool, "namespace": policy.namespace,
+                            "labels": {**LABELS, "app.kubernetes.io/name": role}}
+    if model is not None:  # one model's pool: named and labelled as its StatefulSet (pool_manifests)
+        pool = pool_name(role, model)
+        meta = {"name": pool, "namespace": policy.namespace,
+                "labels": {**LABELS, "app.kubernetes.io/name": role, MODEL_LABEL: model_slug(model)},
+                "annotations": {MODEL_NAME_ANNOTATION: model}}
     return {
         "apiVersion": KEDA_API, "kind": "ScaledObject",
-        "metadata": {"name": pool, "namespace": policy.namespace,
-                     "labels": {**LABELS, "app.kubernetes.io/name": pool}},
+        "metadata": meta,
         "spec": {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": pool},
             "pollingInterval": policy.polling_s,
@@ -287,29 +306,45 @@ def _scaled_object(pool: str, lo: int, hi: int, policy: AutoscalePolicy,
 
 
 def scaled_objects(tenants: TenantsConfig, policy: AutoscalePolicy | None = None,
-                   models: list[str] | None = None) -> list[dict[str, Any]]:
+                   models: list[str] | None = None, *, model: str | None = None,
+                   prefill: bool = True) -> list[dict[str, Any]]:
     """The ScaledObjects of the decode and prefill StatefulSets (KEDA takes the largest of the triggers);
-    ``models``: the served model names whose lanes count (default: the bundled model)."""
+    ``models``: the served model names whose lanes count (default: the bundled model).
+
+    ``model`` (one of ``models``): the ScaledObjects of that model's own pools instead (``decode-<slug>``,
+    ``prefill-<slug>``, as :func:`pool_manifests` names them): only its lanes, and Prometheus series of only
+    its workers (their worker ids are their pod names, ``<pool>-<ordinal>``). ``prefill=False``: no prefill
+    ScaledObject (a model without prefillers)."""
     policy = policy or AutoscalePolicy()
     policy.check()
-    m = policy.matcher
+
+    def matcher(role: str) -> str:
+        if model is None:
+            return policy.matcher
+        # The worker gauges have no model label; a pool's worker ids are its pod names. PromQL anchors the
+        # regex, and a slug is [a-z0-9-]: "decode-a-[0-9]+" never matches pool "a-1"'s "decode-a-1-0".
+        return ", ".join(filter(None, (policy.matcher, f'worker=~"{pool_name(role, model)}-[0-9]+"')))
+
+    dm, pm = matcher("decode"), matcher("prefill")
     decode = [
-        *_lane_triggers(tenants, policy, policy.inflight_per_decoder, models),
+        *_lane_triggers(tenants, policy, policy.inflight_per_decoder, models, model),
         # The lanes are per tenant and the HPA takes the largest trigger, not the sum: this one adds up
         # every tenant's running and decoder-queued sequences.
-        _prometheus("decode-concurrency", policy, decode_concurrency_query(m), str(policy.inflight_per_decoder)),
+        _prometheus("decode-concurrency", policy, decode_concurrency_query(dm), str(policy.inflight_per_decoder)),
         # Long contexts fill a decoder's KV before its batch: the memory-bound signal.
-        _prometheus("kv-occupancy", policy, kv_occupancy_query(m), f"{policy.kv_occupancy:g}", "Value"),
+        _prometheus("kv-occupancy", policy, kv_occupancy_query(dm), f"{policy.kv_occupancy:g}", "Value"),
     ]
-    prefill = [
+    prefill_triggers = [
         # Queue growth grows the prefill pool in the P:D ratio, ahead of its own backlog...
         *_lane_triggers(tenants, policy, max(1, round(policy.inflight_per_decoder * policy.decoders_per_prefiller)),
-                        models),
+                        models, model),
         # ...and prompt-heavy traffic (long prompts, few cache hits) shows as tokens waiting at prefillers.
-        _prometheus("prefill-backlog", policy, prefill_backlog_query(m), str(policy.prefill_backlog_tokens)),
+        _prometheus("prefill-backlog", policy, prefill_backlog_query(pm), str(policy.prefill_backlog_tokens)),
     ]
-    return [_scaled_object("decode", policy.decode_min, policy.decode_max, policy, decode),
-            _scaled_object("prefill", policy.prefill_min, policy.prefill_max, policy, prefill)]
+    out = [_scaled_object("decode", policy.decode_min, policy.decode_max, policy, decode, model)]
+    if prefill:
+        out.append(_scaled_object("prefill", policy.prefill_min, policy.prefill_max, policy, prefill_triggers, model))
+    return out
 
 
 AUTOSCALE_HEADER = """\
@@ -318,6 +353,359 @@ AUTOSCALE_HEADER = """\
 # (one JetStream trigger per tenant and priority class: the queue's consumers). Do not edit: regenerate
 # after changing the tenants or the policy (`splitserve k8s autoscale --help`).
 """
+
+
+# ------------------------------------------------------------------------------------------------- pools
+
+# A served model's pools: its name (any string of up to 256 characters, e.g. `meta-llama/Llama-3.1-8B`) made
+# into object names. A StatefulSet's pods carry controller-revision-hash=<its name>-<10 characters>, a label
+# value (at most 63): "prefill-" + slug must stay within 52, so a slug has at most 44 characters.
+MODEL_LABEL = "splitserve.io/model"  # the slug (label values cannot hold '/'); the splitserve.io/ prefix as tenants'
+MODEL_NAME_ANNOTATION = "splitserve.io/model-name"  # the served name itself
+POOL_ROLES = ("prefill", "decode")
+SLUG_MAX = 44
+_SLUG_HASH = 8
+POOL_FILES = ("kustomization.yaml", "pools.yaml", "router-models.yaml", "drop-single-pool.yaml", "pool-patches.yaml",
+              "autoscale.yaml")
+DEFAULT_MODELS_MOUNT = "/models"
+DEFAULT_MODELS_CLAIM = "splitserve-models"  # overlays/gpu-efa/models-pvc.yaml
+
+
+def model_slug(name: str) -> str:
+    """A served model's name as a DNS-1123 label part: lowered, runs of other characters as '-'. A name that is
+    not already such a slug (``smollm2/26l``, ``Llama``, or longer than 44) gets 8 hex digits of its SHA-256
+    appended (``smollm2-26l-1a2b3c4d``), so two names never share a slug however they fold; deterministic."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    if slug == name and len(slug) <= SLUG_MAX:
+        return slug
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:_SLUG_HASH]
+    head = slug[:SLUG_MAX - _SLUG_HASH - 1].strip("-")
+    return f"{head}-{digest}" if head else f"m-{digest}"
+
+
+def pool_name(role: str, model: str) -> str:
+    """The StatefulSet, headless Service, PDB and ScaledObject of a model's prefill or decode pool; its pods
+    (and so its worker ids) are ``<pool_name>-<ordinal>``."""
+    if role not in POOL_ROLES:
+        raise ValueError(f"role must be one of {POOL_ROLES}, not {role!r}")
+    return f"{role}-{model_slug(model)}"
+
+
+@dataclass(frozen=True)
+class ModelsFile:
+    """What ``splitserve k8s pools`` takes from an ``up`` config: its ``models:`` list, parsed and checked by the
+    code ``up --config`` uses, and the workers' ``max_loras`` / ``colocated``; up's other keys (engine, dtype...)
+    are the overlay's ConfigMap's business and are ignored."""
+
+    pools: tuple[Any, ...]  # splitserve.stack.ModelPool (imported lazily: that module starts processes)
+    max_loras: int = 0
+    colocated: bool = False
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.pools]
+
+
+def load_models_file(path: Path) -> ModelsFile:
+    """Read an ``up`` config's ``models:`` list; ValueError naming what is wrong."""
+    # The parser `up --config` uses (splitserve.cli imports this module: import it only when called).
+    from splitserve.stack import parse_model_pools
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict) or "models" not in data:
+        raise ValueError(f"{path}: expected a mapping with a `models:` list (as `splitserve up --config` reads)")
+    settings = {str(k).replace("-", "_"): v for k, v in data.items()}
+    pools = tuple(parse_model_pools(settings["models"]))
+    max_loras = settings.get("max_loras", 0) or 0
+    if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 0:
+        raise ValueError(f"{path}: max_loras must be a whole number >= 0, not {max_loras!r}")
+    colocated = settings.get("colocated", False)
+    if not isinstance(colocated, bool):
+        raise ValueError(f"{path}: colocated must be true or false, not {colocated!r}")
+    slugs: dict[str, str] = {}
+    for p in pools:  # only a model literally named like another's hashed slug could collide: refuse it
+        slug = model_slug(p.name)
+        if slug in slugs:
+            raise ValueError(f"models {slugs[slug]!r} and {p.name!r} would share the Kubernetes name {slug!r}")
+        slugs[slug] = p.name
+    return ModelsFile(pools, max_loras, colocated)
+
+
+def _load_template(path: Path) -> list[dict[str, Any]]:
+    try:
+        return [d for d in yaml.safe_load_all(path.read_text()) if d]
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"cannot read the template {path}: {exc}") from None
+
+
+def _container(pod: dict[str, Any], name: str, *, init: bool = False) -> dict[str, Any]:
+    for c in pod.get("initContainers" if init else "containers", []):
+        if c.get("name") == name:
+            return c
+    raise ValueError(f"the template has no {'init container' if init else 'container'} {name!r}")
+
+
+def _with_model(args: list[str], values: list[str]) -> list[str]:
+    """``args`` with its ``--model VALUE`` pair replaced by ``values`` (where it stood; appended if absent)."""
+    if "--model" not in args:
+        return [*args, *values]
+    i = args.index("--model")
+    return [*args[:i], *values, *args[i + 2:]]
+
+
+def _uses_mount(path: str | None, mount: str | None) -> bool:
+    return bool(mount and path and (path == mount or path.startswith(mount.rstrip("/") + "/")))
+
+
+def _mount_models(pod: dict[str, Any], container: dict[str, Any], mount: str, claim: str) -> None:
+    container.setdefault("volumeMounts", []).append({"name": "models", "mountPath": mount, "readOnly": True})
+    pod.setdefault("volumes", []).append({"name": "models",
+                                          "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+
+
+def pool_manifests(role: str, pool: Any, template: list[dict[str, Any]], *, max_loras: int = 0,
+                   replicas: int | None = None, models_mount: str | None = DEFAULT_MODELS_MOUNT,
+                   models_claim: str = DEFAULT_MODELS_CLAIM) -> list[dict[str, Any]]:
+    """One model's prefill or decode pool from the base's pool (``template``: deploy/k8s/base/<role>.yaml, its
+    headless Service, StatefulSet and PDB): renamed ``<role>-<slug>``, every selector narrowed to the model's
+    label, and the worker started with the model's ``--model``, ``--served-model-name``, ``--lora-modules``
+    (and ``--max-loras``), as ``up`` starts a model pool's workers. ``replicas`` None: left to the autoscaler
+    (an apply must not reset what KEDA set). The models volume is mounted when a path lies under it."""
+    from splitserve.stack import BUNDLED_MODEL
+
+    name, slug = pool_name(role, pool.name), model_slug(pool.name)
+    paths = [pool.model, *(p for _, p in pool.lora_modules)]
+    worker_model = [
+        "--model", pool.model or BUNDLED_MODEL,
+        "--served-model-name", pool.name,
+        *(a for n, p in pool.lora_modules for a in ("--lora-modules", f"{n}={p}")),
+        *(["--max-loras", str(max_loras)] if max_loras and pool.lora_modules else []),
+    ]
+    out = []
+    for doc in copy.deepcopy(template):
+        meta = doc.get("metadata", {})
+        if meta.get("name") != role:
+            raise ValueError(f"the {role} template holds {doc.get('kind')}/{meta.get('name')}: expected only "
+                             f"the base's {role} Service, StatefulSet and PodDisruptionBudget")
+        meta["name"] = name
+        meta["labels"] = {**meta.get("labels", {}), MODEL_LABEL: slug}
+        meta["annotations"] = {**meta.get("annotations", {}), MODEL_NAME_ANNOTATION: pool.name}
+        kind, spec = doc["kind"], doc["spec"]
+        if kind == "Service":
+            spec["selector"][MODEL_LABEL] = slug
+        elif kind == "PodDisruptionBudget":  # one model's pool loses at most one worker at a time
+            spec["selector"]["matchLabels"][MODEL_LABEL] = slug
+        elif kind == "StatefulSet":
+            spec["serviceName"] = name
+            if replicas is None:
+                spec.pop("replicas", None)
+            else:
+                spec["replicas"] = replicas
+            spec["selector"]["matchLabels"][MODEL_LABEL] = slug
+            tmeta = spec["template"]["metadata"]
+            tmeta["labels"][MODEL_LABEL] = slug
+            tmeta["annotations"] = {**tmeta.get("annotations", {}), MODEL_NAME_ANNOTATION: pool.name}
+            pod = spec["template"]["spec"]
+            # Spread each pool over the nodes on its own; the anti-affinity between the roles (prefill and
+            # decode apart) stays across every model, as in the base.
+            for tsc in pod.get("topologySpreadConstraints", []):
+                sel = tsc.get("labelSelector", {}).get("matchLabels", {})
+                if sel.get("app.kubernetes.io/name") == role:
+                    sel[MODEL_LABEL] = slug
+            c = _container(pod, role)
+            c["args"] = _with_model(list(c.get("args", [])), worker_model)
+            if any(_uses_mount(p, models_mount) for p in paths):
+                assert models_mount is not None
+                _mount_models(pod, c, models_mount, models_claim)
+        else:
+            raise ValueError(f"the {role} template holds a {kind}: expected Service, StatefulSet, "
+                             "PodDisruptionBudget")
+        out.append(doc)
+    return out
+
+
+def router_patch(models: ModelsFile, template: list[dict[str, Any]], *,
+                 models_mount: str | None = DEFAULT_MODELS_MOUNT,
+                 models_claim: str = DEFAULT_MODELS_CLAIM) -> dict[str, Any]:
+    """A strategic-merge patch of the base's router Deployment (``template``: deploy/k8s/base/router.yaml):
+    one ``--model NAME=PATH`` per model, in the config's order (the first is the default), and the models' own
+    ``--model-strategy`` / ``--model-disagg-threshold``, as ``up`` gives its routers; its init container
+    creates every model's lanes (``--model-name``), which the ScaledObjects name. Containers' args are lists
+    without a merge key: the patch carries them whole."""
+    from splitserve.stack import StackConfig
+
+    router = next((d for d in template if d.get("kind") == "Deployment"
+                   and d.get("metadata", {}).get("name") == "router"), None)
+    if router is None:
+        raise ValueError("the router template has no Deployment router")
+    pod = router["spec"]["template"]["spec"]
+    # As `up` gives them: NAME=PATH (PATH `bundled` if none), then each model's own strategy and threshold.
+    stack = StackConfig(models=list(models.pools), colocated=models.colocated)
+    main_args = _with_model(list(_container(pod, "router").get("args", [])),
+                            [*(a for m in stack.router_models() for a in ("--model", m)),
+                             *stack.router_model_policies()])
+    lanes_args = [*_container(pod, "queue-lanes", init=True).get("args", []),
+                  *(a for n in models.names for a in ("--model-name", n))]
+    main: dict[str, Any] = {"name": "router", "args": main_args}
+    patch_pod: dict[str, Any] = {"initContainers": [{"name": "queue-lanes", "args": lanes_args}],
+                                 "containers": [main]}
+    # The routers tokenize with each model's tokenizer: they need its files too.
+    if any(_uses_mount(p.model, models_mount) for p in models.pools):
+        assert models_mount is not None
+        _mount_models(patch_pod, main, models_mount, models_claim)
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "router"},
+            "spec": {"template": {"spec": patch_pod}}}
+
+
+def _base_scaled_objects(base_dir: Path) -> list[tuple[str, str | None]]:
+    """(name, namespace) of the ScaledObjects named like the base's pools in a base's own resources
+    (overlays/gpu-efa's autoscale.yaml): they target the StatefulSets the overlay removes, so the overlay
+    removes them too."""
+    try:
+        kust = yaml.safe_load((base_dir / "kustomization.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return []
+    found: list[tuple[str, str | None]] = []
+    for res in kust.get("resources") or []:
+        f = base_dir / str(res)
+        if not f.is_file():
+            continue
+        try:
+            docs = list(yaml.safe_load_all(f.read_text()))
+        except yaml.YAMLError:
+            continue
+        found += [(d["metadata"]["name"], d["metadata"].get("namespace")) for d in docs
+                  if isinstance(d, dict) and d.get("kind") == "ScaledObject"
+                  and d.get("metadata", {}).get("name") in POOL_ROLES]
+    return sorted(set(found))
+
+
+def _base_pool_patches(base_dir: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(role, patch) of the base's own strategic-merge patches of its pools (overlays/gpu-efa's gpu-pools.yaml:
+    GPUs, EFA, tolerations, node affinity; cpu-dev's small-pools.yaml): the overlay applies a copy of each to
+    every model's pool of that role, so the pools are sized and placed as the base's would be."""
+    try:
+        kust = yaml.safe_load((base_dir / "kustomization.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return []
+    found: list[tuple[str, dict[str, Any]]] = []
+    for res in kust.get("patchesStrategicMerge") or []:
+        f = base_dir / str(res)
+        try:
+            docs = list(yaml.safe_load_all(f.read_text()))
+        except (OSError, yaml.YAMLError):
+            continue
+        for d in docs:
+            name = d.get("metadata", {}).get("name") if isinstance(d, dict) else None
+            if name in POOL_ROLES and d.get("kind") in ("StatefulSet", "Service", "PodDisruptionBudget") \
+                    and d.get("$patch") != "delete":
+                found.append((name, d))
+    return found
+
+
+def _delete(api: str, kind: str, name: str, namespace: str | None = None) -> dict[str, Any]:
+    # A patch finds its object by the namespace the object was written with (gpu-efa's ScaledObjects name
+    # theirs; the base's pools name none).
+    meta = {"name": name, **({"namespace": namespace} if namespace else {})}
+    return {"apiVersion": api, "kind": kind, "metadata": meta, "$patch": "delete"}
+
+
+@dataclass(frozen=True)
+class PoolsOptions:
+    """Where ``splitserve k8s pools`` takes its templates from and how the overlay is put together."""
+
+    base: str = "../../base"  # the kustomization the overlay builds on, relative to the overlay
+    templates: Path = Path("deploy/k8s/base")  # prefill.yaml, decode.yaml, router.yaml
+    namespace: str = "splitserve"
+    models_mount: str | None = DEFAULT_MODELS_MOUNT
+    models_claim: str = DEFAULT_MODELS_CLAIM
+    command: str = ""  # the command line that made it, for the files' headers
+
+
+POOLS_HEADER = """\
+# Generated by `splitserve k8s pools` from {config}. Do not edit: regenerate with
+#   {command}
+# {what}
+"""
+
+
+def pools_files(models: ModelsFile, opts: PoolsOptions, *, tenants: TenantsConfig | None = None,
+                policy: AutoscalePolicy | None = None, base_dir: Path | None = None,
+                config_name: str = "models.yaml") -> dict[str, str]:
+    """The files of an overlay with one prefill and one decode pool per model (file name -> text): the pools
+    (pools.yaml), the routers serving every model (router-models.yaml), the base's one-model pools removed
+    (drop-single-pool.yaml), the base's own patches of its pools copied to every model's (pool-patches.yaml)
+    and, with ``tenants``, a decode and a prefill ScaledObject per model, each on its own model's lanes and
+    workers (autoscale.yaml). ``base_dir``: the base on disk, to find its pool patches and ScaledObjects."""
+    templates = {role: _load_template(opts.templates / f"{role}.yaml") for role in (*POOL_ROLES, "router")}
+    autoscale = tenants is not None
+    pools_docs: list[dict[str, Any]] = []
+    for pool in models.pools:
+        for role in POOL_ROLES:
+            count = 0 if role == "prefill" and models.colocated else (pool.prefill if role == "prefill"
+                                                                      else pool.decode)
+            if count == 0:  # no prefillers: its decoders prefill every prompt (up's prefill: 0)
+                continue
+            pools_docs += pool_manifests(role, pool, templates[role], max_loras=models.max_loras,
+                                         replicas=None if autoscale else count, models_mount=opts.models_mount,
+                                         models_claim=opts.models_claim)
+    head = {"config": config_name, "command": opts.command or "splitserve k8s pools --config ..."}
+    files = {
+        "pools.yaml": dump_yaml(pools_docs, POOLS_HEADER.format(
+            what="A prefill and a decode pool per model: the base's pools, renamed and narrowed to the model.",
+            **head)),
+        "router-models.yaml": dump_yaml([router_patch(models, templates["router"], models_mount=opts.models_mount,
+                                                      models_claim=opts.models_claim)], POOLS_HEADER.format(
+            what="The routers serve every model (--model NAME=PATH) and create every model's lanes.", **head)),
+    }
+    drops = [_delete(api, kind, role) for role in POOL_ROLES
+             for api, kind in (("v1", "Service"), ("apps/v1", "StatefulSet"), ("policy/v1", "PodDisruptionBudget"))]
+    drops += [_delete(KEDA_API, "ScaledObject", name, ns) for name, ns in _base_scaled_objects(base_dir)
+              ] if base_dir else []
+    files["drop-single-pool.yaml"] = dump_yaml(drops, POOLS_HEADER.format(
+        what="The base's one-model pools removed (each model has its own).", **head))
+    inherited = []
+    for pool in models.pools:
+        for role, patch in _base_pool_patches(base_dir) if base_dir else []:
+            if any(d["kind"] == patch["kind"] and d["metadata"]["name"] == pool_name(role, pool.name)
+                   for d in pools_docs):
+                own_patch = copy.deepcopy(patch)
+                own_patch["metadata"]["name"] = pool_name(role, pool.name)
+                # The count is the config's (fixed pools) or the autoscaler's, never the base's one pool's.
+                if patch["kind"] == "StatefulSet":
+                    own_patch.get("spec", {}).pop("replicas", None)
+                inherited.append(own_patch)
+    if inherited:
+        files["pool-patches.yaml"] = dump_yaml(inherited, POOLS_HEADER.format(
+            what=f"The base's ({opts.base}) patches of its pools, applied to every model's pool of that role.",
+            **head))
+    if tenants is not None:
+        policy = policy or AutoscalePolicy(namespace=opts.namespace)
+        so: list[dict[str, Any]] = []
+        for pool in models.pools:
+            prefill = pool.prefill > 0 and not models.colocated
+            # The config's counts are each pool's floor; the policy's maxima its ceiling (at least the floor).
+            own = replace(policy, decode_min=pool.decode, decode_max=max(policy.decode_max, pool.decode),
+                          prefill_min=pool.prefill if prefill else policy.prefill_min,
+                          prefill_max=max(policy.prefill_max, pool.prefill))
+            so += scaled_objects(tenants, own, models.names, model=pool.name, prefill=prefill)
+        files["autoscale.yaml"] = dump_yaml(so, POOLS_HEADER.format(
+            what="KEDA ScaledObjects per model pool: its own lanes (one per tenant and priority class) and its own "
+                 "workers' series.", **head))
+    resources = ["pools.yaml", *(["autoscale.yaml"] if autoscale else [])]
+    kust = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+            "namespace": opts.namespace, "bases": [opts.base], "resources": resources,
+            "patchesStrategicMerge": ["drop-single-pool.yaml", "router-models.yaml",
+                                      *(["pool-patches.yaml"] if inherited else [])]}
+    names = ", ".join(f"{p.name} ({model_slug(p.name)})" for p in models.pools)
+    files["kustomization.yaml"] = POOLS_HEADER.format(
+        what=f"One prefill and one decode pool per model: {names}.", **head) + (
+        "# Plain `bases` and `patchesStrategicMerge`, as the other overlays use (tested with kubectl's kustomize v5).\n"
+        + yaml.safe_dump(kust, sort_keys=False, default_flow_style=False))
+    return files
 
 
 # ------------------------------------------------------------------------------------------------- lanes
@@ -460,3 +848,75 @@ def lanes_cmd(
         typer.echo(f"lanes: FAILED: {exc}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"lanes: {len(names)} consumers on {Subjects.QUEUE_STREAM}: {', '.join(names)}")
+
+
+@app.command("pools")
+def pools_cmd(
+    config: Path = typer.Option(..., "--config", exists=True, dir_okay=False,
+                                help="an `up` config with a `models:` list (name, model, prefill, decode, "
+                                     "lora_modules; top-level max_loras, colocated)"),
+    out: Path = typer.Option(..., "--out", file_okay=False, help="the overlay folder to write (e.g. "
+                             "deploy/k8s/overlays/two-models); generated files there are replaced"),
+    base: str = typer.Option(PoolsOptions.base, "--base", help="the kustomization the overlay builds on, "
+                             "relative to --out (e.g. ../cpu-dev or ../gpu-efa); its own patches of its "
+                             "prefill and decode pools are applied to every model's pools"),
+    templates: Path = typer.Option(PoolsOptions.templates, "--templates", exists=True, file_okay=False,
+                                   help="folder with the prefill.yaml, decode.yaml and router.yaml every pool "
+                                        "and the router patch are made from"),
+    tenants: Path | None = typer.Option(None, "--tenants", exists=True, dir_okay=False,
+                                        help="the tenants file: KEDA ScaledObjects per model pool (autoscale.yaml; "
+                                             "without it, fixed pool sizes: the config's counts)"),
+    namespace: str = typer.Option(PoolsOptions.namespace, "--namespace", "-n"),
+    models_mount: str = typer.Option(DEFAULT_MODELS_MOUNT, "--models-mount", help="where the models volume is "
+                                     "mounted: pods whose model or adapter paths lie under it mount it ('' never)"),
+    models_claim: str = typer.Option(DEFAULT_MODELS_CLAIM, "--models-claim",
+                                     help="the PersistentVolumeClaim holding the models (ReadOnlyMany or "
+                                          "ReadWriteMany)"),
+    prometheus: str = typer.Option(AutoscalePolicy.prometheus_url, "--prometheus",
+                                   help="Prometheus that scrapes the front door's /metrics"),
+    prefill_max: int = typer.Option(AutoscalePolicy.prefill_max, "--prefill-max", help="each model's most prefillers"),
+    decode_max: int = typer.Option(AutoscalePolicy.decode_max, "--decode-max", help="each model's most decoders"),
+    inflight_per_decoder: int = typer.Option(AutoscalePolicy.inflight_per_decoder, "--inflight-per-decoder",
+                                             help="queued + running requests one decoder should carry"),
+) -> None:
+    """Write a kustomize overlay with one prefill and one decode pool per model of an `up` config (StatefulSets
+    prefill-<model>, decode-<model>), the routers serving every model, and (with --tenants) KEDA ScaledObjects
+    per model pool on that model's own lanes and workers."""
+    try:
+        models = load_models_file(config)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--config") from None
+    cfg = _tenants(tenants) if tenants is not None else None
+    words = ["splitserve k8s pools", "--config", str(config), "--out", str(out)]
+    for flag, value, default in (("--base", base, PoolsOptions.base),
+                                 ("--templates", str(templates), str(PoolsOptions.templates)),
+                                 ("--tenants", str(tenants) if tenants else None, None),
+                                 ("-n", namespace, PoolsOptions.namespace),
+                                 ("--models-mount", models_mount, DEFAULT_MODELS_MOUNT),
+                                 ("--models-claim", models_claim, DEFAULT_MODELS_CLAIM),
+                                 ("--prometheus", prometheus, AutoscalePolicy.prometheus_url),
+                                 ("--prefill-max", str(prefill_max), str(AutoscalePolicy.prefill_max)),
+                                 ("--decode-max", str(decode_max), str(AutoscalePolicy.decode_max)),
+                                 ("--inflight-per-decoder", str(inflight_per_decoder),
+                                  str(AutoscalePolicy.inflight_per_decoder))):
+        if value is not None and value != default:
+            words += [flag, value]
+    opts = PoolsOptions(base=base, templates=templates, namespace=namespace, models_mount=models_mount or None,
+                        models_claim=models_claim, command=" ".join(words))
+    policy = AutoscalePolicy(namespace=namespace, prometheus_url=prometheus, prefill_max=prefill_max,
+                             decode_max=decode_max, inflight_per_decoder=inflight_per_decoder)
+    try:
+        files = pools_files(models, opts, tenants=cfg, policy=policy, base_dir=Path(os.path.normpath(out / base)),
+                           config_name=str(config))  # normpath: --out may not exist yet
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    out.mkdir(parents=True, exist_ok=True)
+    for name in POOL_FILES:  # a stale generated file (autoscale.yaml of an earlier run with --tenants) goes
+        if name not in files and (out / name).is_file() and (out / name).read_text().startswith(
+                "# Generated by `splitserve k8s pools`"):
+            (out / name).unlink()
+    for name, text in files.items():
+        (out / name).write_text(text)
+    pools = ", ".join(f"{pool_name('decode', n)}" for n in models.names)
+    typer.echo(f"wrote {out}: {len(models.pools)} models ({pools}); build it with `kubectl kustomize {out}`",
+               err=True)

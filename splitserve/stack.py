@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from splitserve import discovery
 from splitserve.cpus import parse_cpus
@@ -101,6 +101,58 @@ def check_pools(pools: list[ModelPool]) -> None:
             if name in seen:  # a request names a model or an adapter by one name: it must say which
                 raise ValueError(f"model or adapter name {name!r} is listed twice (names must be unique)")
             seen.add(name)
+
+
+# A config's `models:` list: one pool of workers per served model (splitserve.stack.ModelPool).
+MODEL_POOL_KEYS = ("name", "model", "prefill", "decode", "lora_modules", "strategy", "disagg_threshold")
+
+
+def lora_pairs(value: Any, where: str) -> tuple[tuple[str, str], ...]:
+    """LoRA adapters as a config gives them: a mapping NAME: PATH, or a list of NAME=PATH (or [NAME, PATH])."""
+    from splitserve.engines.model_files import parse_lora_modules
+
+    if isinstance(value, dict):
+        items = [f"{k}={v}" for k, v in value.items()]
+    elif isinstance(value, list):
+        items = ["=".join(map(str, x)) if isinstance(x, list) else str(x) for x in value]
+    else:
+        raise ValueError(f"{where}: lora_modules must be a mapping of NAME: PATH")
+    try:
+        return parse_lora_modules(items)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def parse_model_pools(data: Any) -> list[ModelPool]:
+    """The ``models:`` list of an up config as ModelPools; ValueError naming the item and key at fault."""
+    if not isinstance(data, list) or not data:
+        raise ValueError("models: must be a non-empty list of {name, model, prefill, decode} mappings")
+    pools = []
+    for i, item in enumerate(data):
+        if not isinstance(item, dict):
+            raise ValueError(f"models[{i}] must be a mapping with keys {', '.join(MODEL_POOL_KEYS)}")
+        fields: dict[str, Any] = {}
+        for key, v in item.items():
+            k = str(key).replace("-", "_")
+            if k not in MODEL_POOL_KEYS:
+                raise ValueError(f"models[{i}]: unknown key {key!r}; the keys are {', '.join(MODEL_POOL_KEYS)}")
+            fields[k] = v
+        if "name" not in fields:
+            raise ValueError(f"models[{i}] needs a name")
+        if not isinstance(fields["name"], str):
+            raise ValueError(f"models[{i}]: name must be a string (quote it), not {fields['name']!r}")
+        if fields.get("model") is not None and not isinstance(fields["model"], str):
+            raise ValueError(f"models[{i}] ({fields['name']}): model must be a path string, not {fields['model']!r}")
+        if "lora_modules" in fields:
+            fields["lora_modules"] = lora_pairs(fields["lora_modules"], f"models[{i}] ({fields['name']})")
+        pool = ModelPool(**fields)
+        try:
+            pool.check()
+        except ValueError as exc:
+            raise ValueError(f"models[{i}]: {exc}") from None
+        pools.append(pool)
+    check_pools(pools)
+    return pools
 
 
 @dataclass

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -85,8 +86,6 @@ def test_tenant_secret_names_are_valid_and_distinct() -> None:
     names = [k8s.tenant_secret_name(t) for t in ("search", "Search", "search_team", "search-team", "_x", "A_B-9")]
     assert names[0] == "splitserve-tenant-search"
     assert len(set(names)) == len(names)
-    import re
-
     assert all(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", n) and len(n) <= 253 for n in names)
 
 
@@ -241,3 +240,260 @@ def test_prometheus_queries_parse_and_name_series_the_front_door_exports() -> No
     # the occupancy the query computes, by hand, from what was exported: 1 - 25/100
     assert 'splitserve_worker_total_kv_blocks{role="decode",worker="decode-0"} 100.0' in exported
     assert not any("namespace" in q for q in (k8s.kv_occupancy_query(""), k8s.prefill_backlog_query("")))
+
+
+# --- pools (one prefill and one decode pool per model) ---------------------------------------------------
+
+EXAMPLE_MODELS = K8S / "models.example.yaml"
+TWO_MODELS = K8S / "overlays" / "two-models"
+TWO_MODELS_ARGS = ("--config", "deploy/k8s/models.example.yaml", "--out", "deploy/k8s/overlays/two-models",
+                   "--base", "../cpu-dev", "--tenants", "deploy/k8s/tenants.example.yaml", "-n", "splitserve-dev")
+
+
+def _deploy_copy(tmp_path: Path) -> Path:
+    """A copy of deploy/k8s to generate into (kustomize takes bases only as relative paths)."""
+    import shutil
+
+    shutil.copytree(K8S, tmp_path / "deploy" / "k8s")
+    return tmp_path
+
+
+def _docs(text: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def _example_files(tmp_path: Path, **kw: Any) -> dict[str, str]:
+    models = k8s.load_models_file(EXAMPLE_MODELS)
+    opts = k8s.PoolsOptions(templates=K8S / "base", namespace="splitserve-dev")
+    return k8s.pools_files(models, opts, tenants=load_tenants(EXAMPLE_TENANTS), **kw)
+
+
+def test_committed_two_models_overlay_is_what_the_command_generates(tmp_path: Path) -> None:
+    root = _deploy_copy(tmp_path)
+    r = cli("k8s", "pools", *TWO_MODELS_ARGS, cwd=root)
+    assert r.returncode == 0, r.stderr
+    made = root / "deploy" / "k8s" / "overlays" / "two-models"
+    assert sorted(p.name for p in made.iterdir()) == sorted(p.name for p in TWO_MODELS.iterdir())
+    for f in sorted(TWO_MODELS.iterdir()):
+        assert (made / f.name).read_text() == f.read_text(), (
+            f"deploy/k8s/overlays/two-models/{f.name} is stale: regenerate it with "
+            f"`splitserve k8s pools {' '.join(TWO_MODELS_ARGS)}`")
+
+
+def test_pools_one_prefill_and_decode_statefulset_per_model_with_its_args(tmp_path: Path) -> None:
+    files = _example_files(tmp_path)
+    docs = _docs(files["pools.yaml"])
+    models = k8s.load_models_file(EXAMPLE_MODELS)
+    assert models.names == ["smollm2", "smollm2/26l"] and models.max_loras == 2
+    sts = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
+    assert sorted(sts) == sorted(k8s.pool_name(r, m) for r in ("prefill", "decode") for m in models.names)
+    for pool in models.pools:
+        slug = k8s.model_slug(pool.name)
+        for role in ("prefill", "decode"):
+            name = k8s.pool_name(role, pool.name)
+            s = sts[name]
+            labels = s["spec"]["template"]["metadata"]["labels"]
+            assert labels["app.kubernetes.io/name"] == role and labels[k8s.MODEL_LABEL] == slug
+            assert s["spec"]["selector"]["matchLabels"][k8s.MODEL_LABEL] == slug
+            assert s["spec"]["serviceName"] == name and "replicas" not in s["spec"], "KEDA owns the count"
+            assert s["spec"]["template"]["metadata"]["annotations"][k8s.MODEL_NAME_ANNOTATION] == pool.name
+            (c,) = [c for c in s["spec"]["template"]["spec"]["containers"] if c["name"] == role]
+            args = c["args"]
+            assert args.count("--model") == 1 and args[args.index("--model") + 1] == (pool.model or "bundled")
+            assert args[args.index("--served-model-name") + 1] == pool.name
+            loras = [args[i + 1] for i, a in enumerate(args) if a == "--lora-modules"]
+            assert loras == [f"{n}={p}" for n, p in pool.lora_modules]
+            assert ("--max-loras" in args) == bool(pool.lora_modules)
+            mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
+            assert "/models" in mounts, "the model or its adapters are on the models volume"
+        # each pool has its own headless Service and PDB, selecting only its model's pods
+        for kind, sel in (("Service", ("spec", "selector")), ("PodDisruptionBudget", ("spec", "selector",
+                                                                                    "matchLabels"))):
+            for role in ("prefill", "decode"):
+                (d,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == k8s.pool_name(role,
+                                                                                                      pool.name)]
+                got = d
+                for key in sel:
+                    got = got[key]
+                assert got[k8s.MODEL_LABEL] == slug and got["app.kubernetes.io/name"] == role
+    drops = _docs(files["drop-single-pool.yaml"])
+    assert {(d["kind"], d["metadata"]["name"]) for d in drops} == {
+        (k, r) for k in ("Service", "StatefulSet", "PodDisruptionBudget") for r in ("prefill", "decode")}
+    assert all(d["$patch"] == "delete" for d in drops)
+    # without a tenants file: fixed pools of the config's counts, no ScaledObjects
+    fixed = k8s.pools_files(models, k8s.PoolsOptions(templates=K8S / "base"))
+    assert "autoscale.yaml" not in fixed and "autoscale.yaml" not in fixed["kustomization.yaml"]
+    assert {d["spec"]["replicas"] for d in _docs(fixed["pools.yaml"]) if d["kind"] == "StatefulSet"} == {1}
+
+
+def test_pools_router_serves_every_model_and_creates_every_models_lanes(tmp_path: Path) -> None:
+    (patch,) = _docs(_example_files(tmp_path)["router-models.yaml"])
+    pod = patch["spec"]["template"]["spec"]
+    (router,) = pod["containers"]
+    args = router["args"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--model"] == [
+        "smollm2=bundled", "smollm2/26l=/models/smollm2-26l"], "one NAME=PATH per model, the default first"
+    assert "$(SPLITSERVE_MODEL)" not in args and args[:2] == ["--worker-id", "$(POD_NAME)"]
+    (lanes,) = pod["initContainers"]
+    la = lanes["args"]
+    assert [la[i + 1] for i, a in enumerate(la) if a == "--model-name"] == ["smollm2", "smollm2/26l"]
+    assert {v["name"] for v in pod["volumes"]} == {"models"}, "the routers load the second model's tokenizer"
+
+
+def test_pools_router_gets_each_models_own_policy_and_its_cli_takes_it(tmp_path: Path) -> None:
+    from tests.deploy.test_k8s_manifests import _cli
+
+    f = tmp_path / "models.yaml"
+    f.write_text("models:\n  - {name: chat, strategy: kvaware, disagg_threshold: 64}\n  - {name: code/7b, model: /m}\n")
+    (patch,) = _docs(k8s.pools_files(k8s.load_models_file(f), k8s.PoolsOptions(templates=K8S / "base"))[
+        "router-models.yaml"])
+    args = patch["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [args[i + 1] for i, a in enumerate(args) if a in ("--model-strategy", "--model-disagg-threshold")] == [
+        "chat=kvaware", "chat=64"]
+    argv = [str(EXAMPLE_TENANTS) if a.endswith("tenants.yaml") else "router-0" if a == "$(POD_NAME)" else
+            "1" if a.startswith("$(") else a for a in args]
+    argv[argv.index("--strategy") + 1] = "roundrobin"
+    ctx = _cli("router").make_context("router", argv, resilient_parsing=False)
+    assert ctx.params["model"] == ["chat=bundled", "code/7b=/m"]
+
+
+def test_pools_scaled_objects_use_only_their_models_lanes_and_workers(tmp_path: Path) -> None:
+    files = _example_files(tmp_path)
+    cfg = load_tenants(EXAMPLE_TENANTS)
+    models = k8s.load_models_file(EXAMPLE_MODELS)
+    so = {d["metadata"]["name"]: d for d in _docs(files["autoscale.yaml"])}
+    assert sorted(so) == sorted(k8s.pool_name(r, m) for r in ("prefill", "decode") for m in models.names)
+    pods = {m: {r: [f"{k8s.pool_name(r, m)}-{i}" for i in (0, 1, 12)] for r in ("prefill", "decode")}
+            for m in models.names}
+    all_lanes: set[str] = set()
+    for model, pool in zip(models.names, proto.model_pools(models.names), strict=True):
+        own = {proto.Subjects.queue_consumer(t, k, pool) for t in cfg.tenants for k in range(NUM_CLASSES)}
+        all_lanes |= own
+        for role in ("prefill", "decode"):
+            d = so[k8s.pool_name(role, model)]
+            assert d["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet",
+                                                   "name": k8s.pool_name(role, model)}
+            assert d["spec"]["minReplicaCount"] == 1 and d["metadata"]["namespace"] == "splitserve-dev"
+            lanes = {t["metadata"]["consumer"] for t in d["spec"]["triggers"] if t["type"] == "nats-jetstream"}
+            assert lanes == own, f"{model} {role}: its own lanes only"
+            assert all(c.startswith("dispatch_") and c.endswith(tuple(f"_{pool}_p{k}" for k in range(NUM_CLASSES)))
+                       for c in lanes)
+            queries = [t["metadata"]["query"] for t in d["spec"]["triggers"] if t["type"] == "prometheus"]
+            assert queries
+            for q in queries:
+                for sel in _selectors(promql_parser.parse(q)):
+                    labels = {m.name: m.value for m in sel.matchers.matchers}
+                    assert labels["namespace"] == "splitserve-dev" and labels["role"] == role
+                    for other, by_role in pods.items():
+                        for pod in by_role[role]:
+                            assert bool(re.fullmatch(labels["worker"], pod)) == (other == model), (q, pod)
+    assert len(all_lanes) == len(cfg.tenants) * NUM_CLASSES * 2, "two models: two disjoint sets of lanes"
+    # the lanes the routers' init container creates are exactly the ones the triggers name
+    assert sorted(n for _, _, n in k8s.queue_consumers(cfg, models.names)) == sorted(all_lanes)
+
+
+def test_model_slugs_are_dns_safe_distinct_and_stable() -> None:
+    names = ["smollm2", "smollm2/26l", "Smollm2", "smollm2-26l", "meta-llama/Llama-3.1-8B-Instruct", "a", "a-1",
+             "x" * 256, "x" * 255, "///", "модель", "7b"]
+    slugs = [k8s.model_slug(n) for n in names]
+    assert slugs[0] == "smollm2" and slugs[3] == "smollm2-26l", "a name that is a slug already is kept"
+    assert re.fullmatch(r"smollm2-26l-[0-9a-f]{8}", slugs[1])
+    assert len(set(slugs)) == len(slugs)
+    assert slugs == [k8s.model_slug(n) for n in names], "deterministic"
+    for n in names:
+        for role in ("prefill", "decode"):
+            name = k8s.pool_name(role, n)
+            # a StatefulSet's pods carry controller-revision-hash=<name>-<10>: a 63-character label value
+            assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 52, name
+    with pytest.raises(ValueError):
+        k8s.pool_name("router", "smollm2")
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("models:\n  - {name: a}\n  - {name: a, model: /m}\n", "listed twice"),
+    ("models:\n  - {name: a, decode: 0}\n", "decode must be a whole number >= 1"),
+    ("models: []\n", "non-empty list"),
+    ("decode: 2\n", "models:"),
+    ("models:\n  - {name: a, gpus: 8}\n", "unknown key 'gpus'"),
+    ("max_loras: -1\nmodels:\n  - {name: a}\n", "max_loras"),
+    (f"models:\n  - {{name: a}}\n  - {{name: 'a-{'0' * 8}', decode: 1}}\n  - {{name: A}}\n", None),
+])
+def test_pools_refuses_a_bad_config_clearly(tmp_path: Path, text: str, expected: str | None) -> None:
+    bad = tmp_path / "models.yaml"
+    bad.write_text(text)
+    if expected is None:  # names that fold together but stay distinct: fine
+        assert len({k8s.model_slug(n) for n in k8s.load_models_file(bad).names}) == 3
+        return
+    with pytest.raises(ValueError, match=expected):
+        k8s.load_models_file(bad)
+
+
+@pytest.mark.slow
+def test_pools_cli_refuses_a_bad_config_and_writes_nothing(tmp_path: Path) -> None:
+    bad = tmp_path / "models.yaml"
+    bad.write_text("models:\n  - {name: a, decode: 0}\n  - {name: b}\n")
+    r = cli("k8s", "pools", "--config", str(bad), "--out", str(tmp_path / "out"))
+    assert r.returncode == 2 and "--config" in r.stderr and "decode must be" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_two_models_overlay_builds_validates_and_every_command_parses(
+        kubectl: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The committed overlay rendered by the real kubectl: every object valid, one PDB per workload, the old
+    one-model pools gone, and every container's command line accepted by its service's own CLI."""
+    import json
+
+    import jsonschema
+    import kubernetes_validate
+
+    from tests.deploy import test_k8s_manifests as manifests
+    from tests.deploy.conftest import kustomize
+
+    docs = kustomize(kubectl, TWO_MODELS)
+    for d in docs:
+        key = (d["apiVersion"], d["kind"])
+        if key in manifests.CRD_SCHEMAS:
+            jsonschema.validate(d, json.loads(manifests.CRD_SCHEMAS[key].read_text()))
+        else:
+            kubernetes_validate.validate(d, manifests.K8S_VERSION, strict=True)
+        assert d["metadata"]["namespace"] == "splitserve-dev"
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert not {("StatefulSet", "prefill"), ("StatefulSet", "decode"), ("Service", "decode")} & names
+    models = k8s.load_models_file(EXAMPLE_MODELS)
+    for role in ("prefill", "decode"):
+        for m in models.names:
+            assert {("StatefulSet", k8s.pool_name(role, m)), ("ScaledObject", k8s.pool_name(role, m))} <= names
+    # the base's (cpu-dev's) patches of its pools reach every model's pool: its small sizes
+    small = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
+    for m in models.names:
+        (c,) = small[k8s.pool_name("decode", m)]["spec"]["template"]["spec"]["containers"]
+        assert c["resources"]["requests"]["memory"] == "2Gi"
+    # the manifests tests' own checks, on this render
+    manifests.test_every_container_command_parses_with_the_services_own_cli({"two-models": docs}, "two-models",
+                                                                           monkeypatch)
+    manifests.test_every_container_has_resources_and_every_workload_a_pdb({"two-models": docs}, "two-models")
+
+
+def test_pools_on_the_gpu_overlay_keep_its_gpus_and_drop_its_one_pool_autoscaler(
+        kubectl: str, tmp_path: Path) -> None:
+    from tests.deploy.conftest import kustomize
+
+    root = _deploy_copy(tmp_path)
+    r = cli("k8s", "pools", "--config", "deploy/k8s/models.example.yaml", "--out", "deploy/k8s/overlays/g",
+            "--base", "../gpu-efa", "--tenants", "deploy/k8s/tenants.example.yaml", cwd=root)
+    assert r.returncode == 0, r.stderr
+    docs = kustomize(kubectl, root / "deploy" / "k8s" / "overlays" / "g")
+    gpu = {d["metadata"]["name"]: d for d in kustomize(kubectl, K8S / "overlays" / "gpu-efa")
+           if d["kind"] == "StatefulSet"}
+    so = sorted(d["metadata"]["name"] for d in docs if d["kind"] == "ScaledObject")
+    assert so == sorted(k8s.pool_name(r, m) for r in ("prefill", "decode") for m in ("smollm2", "smollm2/26l"))
+    for d in docs:
+        if d["kind"] != "StatefulSet" or d["metadata"]["name"] == "nats":
+            continue
+        role = d["metadata"]["labels"]["app.kubernetes.io/name"]
+        mine, theirs = d["spec"]["template"]["spec"], gpu[role]["spec"]["template"]["spec"]
+        for key in ("tolerations", "affinity", "terminationGracePeriodSeconds"):
+            assert mine[key] == theirs[key], (d["metadata"]["name"], key)
+        assert mine["containers"][0]["resources"] == theirs["containers"][0]["resources"]
+        assert sorted(v["name"] for v in mine["volumes"]) == sorted(v["name"] for v in theirs["volumes"])
+        assert "replicas" not in d["spec"]
