@@ -51,6 +51,7 @@ from splitserve.obs.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from splitserve.proto import ErrorCode
 from splitserve.proto.subjects import check_token
 from splitserve.services.frontend import openai_api as oa
+from splitserve.tenancy.config import TenantsConfig
 
 log = get_logger("frontend.http")
 T = TypeVar("T")
@@ -877,26 +878,33 @@ def create_app(backend: Backend, *, api_keys: dict[str, str] | None = None, docs
         return {"id": name, "object": "model", "created": started, "owned_by": "splitserve", "root": name,
                 "parent": parent, "max_model_len": max_model_len}
 
+    def may_use(tenant: str, model: str) -> bool:
+        """The tenant's contract (the tenants file's ``models:``; absent: every model) allows ``model``: the
+        router refuses the rest (model_not_allowed), so the list shows a tenant only what it may ask for."""
+        tenants: TenantsConfig | None = getattr(backend, "tenants", None)
+        return tenants is None or tenants.allows_model(tenant, model)
+
     @app.get("/v1/models")
-    async def models(_: str = Depends(tenant_of)) -> dict[str, Any]:
+    async def models(tenant: str = Depends(tenant_of)) -> dict[str, Any]:
         served = served_models()
         if not served and backend.model_name:  # none known to be served: the name the router announces
             served = {backend.model_name: backend.max_model_len}
-        cards = [model_card(name, max_len) for name, max_len in served.items()]
+        cards = [model_card(name, max_len) for name, max_len in served.items() if may_use(tenant, name)]
         cards += [model_card(name, served.get(parent), parent) for name, parent in sorted(served_adapters().items())
-                  if name not in served]
+                  if name not in served and may_use(tenant, name)]
         return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, _: str = Depends(tenant_of)) -> dict[str, Any]:
+    async def model(model_id: str, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
         served = served_models()
         if served:
-            if model_id in served:
-                return model_card(model_id, served[model_id])
-            parent = served_adapters().get(model_id)
-            if parent is None:
+            parent = None if model_id in served else served_adapters().get(model_id)
+            if model_id not in served and parent is None:
                 raise not_found(model_id, served)
-            return model_card(model_id, served.get(parent), parent)
+            if not may_use(tenant, model_id):
+                raise oa.ApiError(403, f"tenant {tenant!r} may not use model {model_id!r} (its models in the "
+                                  "tenants file)", type="permission_error", code="model_not_allowed")
+            return model_card(model_id, served.get(parent) if parent else served[model_id], parent)
         if model_id != backend.model_name:
             # Whether it is served is not known yet (no decoder heard): say so, retryably, never a wrong 404.
             raise oa.ApiError(503, "No decode worker has announced the model it serves yet; retry shortly.",

@@ -107,6 +107,7 @@ class FrontendService(Service):
         self.header_timeout_s = header_timeout_s
         self.keep_alive_s = keep_alive_s
         self.registry = WorkerRegistry()
+        self.tenants = tenants  # whose contract names which models (/v1/models lists only a tenant's own)
         self.app = create_app(self, api_keys=api_keys, docs=docs, per_key_concurrency=per_key_concurrency)
         self.metrics_app = create_metrics_app(self, self.app)
         self.url = ""

@@ -11,6 +11,7 @@ from splitserve import proto
 from splitserve.client import Delta, Result
 from splitserve.errors import SplitserveError
 from splitserve.services.frontend.openai_api import GenerateArgs
+from splitserve.tenancy.config import TenantsConfig
 
 MODEL = "tiny-model"
 
@@ -74,6 +75,7 @@ class FakeBackend:
     # Several served models (name -> max_model_len, in the backend's order); None: the one of ``model``.
     models: dict[str, int | None] | None = None
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter -> its base model
+    tenants: TenantsConfig | None = None  # whose contract names which models (None: every tenant, every model)
     ready: bool = True
     script: Script = field(default_factory=Script)
     on_generate: Callable[[GenerateArgs], None] | None = None

@@ -22,6 +22,7 @@ from splitserve.runtime.bus import Bus
 from splitserve.services.frontend.app import FALLBACK_MAX_TOKENS, create_app
 from splitserve.services.frontend.openai_api import GenerateArgs
 from splitserve.services.frontend.service import FrontendService
+from splitserve.tenancy.config import TenantsConfig
 from tests.frontend.fakes import FakeBackend, Script
 from tests.frontend.test_service import frontend, until
 
@@ -56,6 +57,27 @@ async def test_models_lists_every_served_model_with_its_context(http: httpx2.Asy
     r = await http.get("/v1/models/gamma-70b")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert f"Served models: {SMALL}, {BIG}." in r.json()["error"]["message"]
+
+
+async def test_a_tenant_sees_only_the_models_and_adapters_its_contract_names(backend: FakeBackend) -> None:
+    backend.adapters = {"beta-sql": BIG, "alpha-chat": SMALL}
+    backend.tenants = TenantsConfig.model_validate({"tenants": {
+        "narrow": {"api_keys": ["sk-narrow-0123456789"], "models": [SMALL, "alpha-chat"]},
+        "wide": {"api_keys": ["sk-wide-0123456789ab"]}}})
+    app = create_app(backend, api_keys={"sk-narrow-0123456789": "narrow", "sk-wide-0123456789ab": "wide"})
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://t") as http:
+        def listed(key: str) -> Any:
+            return http.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+
+        narrow = [m["id"] for m in (await listed("sk-narrow-0123456789")).json()["data"]]
+        wide = [m["id"] for m in (await listed("sk-wide-0123456789ab")).json()["data"]]
+        assert narrow == [SMALL, "alpha-chat"] and wide == [SMALL, BIG, "alpha-chat", "beta-sql"]
+        h = {"Authorization": "Bearer sk-narrow-0123456789"}
+        for other in (BIG, "beta-sql"):
+            r = await http.get(f"/v1/models/{other}", headers=h)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed", r.text
+        assert (await http.get("/v1/models/alpha-chat", headers=h)).json()["parent"] == SMALL
+        assert (await http.get("/v1/models/gamma-70b", headers=h)).status_code == 404  # unknown: 404 as before
 
 
 async def test_nothing_known_yet_is_503_for_a_card(backend: FakeBackend, http: httpx2.AsyncClient) -> None:
