@@ -64,6 +64,7 @@ __all__ = [
     "TokenLogprob",
     "TopLogprob",
     "SpanBatch",
+    "StageCost",
     "StreamDelta",
     "StreamError",
     "StreamFinal",
@@ -394,6 +395,9 @@ class KvHandle(BaseModel):
     prefill_ms: float
     transfer_ms: float
     started_ms: float | None = None  # when the prefiller started the job (unix ms)
+    # This request's share of the prefill compute (a batched prefill's time split among its members; None: an
+    # older prefiller, prefill_ms then)
+    compute_ms: float | None = None
 
 
 class PrefillDone(Message):
@@ -441,6 +445,22 @@ class Timings(BaseModel):
     transfer_ms: float | None = None
     ttft_server_ms: float | None = None  # created -> first token published
     total_ms: float | None = None
+
+
+class StageCost(BaseModel):
+    """The worker-seconds one request caused, per stage (chargeback). A decode step's time is shared equally by
+    the sequences it advanced, so a decoder's requests' ``decode_s`` sum to the seconds it spent stepping
+    (``WorkerLoad.busy_s``); ``prefill_s`` is the compute of the prompt's uncached tokens (on the prefiller, or on
+    the decoder when it prefilled itself); ``transfer_s`` the KV push left after prefill. ``saved_s``: what the
+    ``cached_tokens`` would have cost at the rate this request's prefill ran (an estimate)."""
+
+    model_config = ConfigDict(extra="ignore")
+    # finite and >= 0: these are summed into bills and counters, where one NaN or infinity would poison the total
+    prefill_s: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    transfer_s: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    decode_s: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    cached_tokens: int = Field(default=0, ge=0)
+    saved_s: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
 
 
 class StreamDelta(Message):
@@ -520,6 +540,7 @@ class RequestFinished(Message, TenantRequest):
     # defaults: None where the publisher does not know, e.g. a request refused before it was resolved).
     model: str | None = Field(default=None, max_length=256)
     lora: str | None = Field(default=None, max_length=256)
+    cost: StageCost | None = None  # worker-seconds per stage, from the decoder that served it (None: not known)
 
 
 # ---------------------------------------------------------------------------------------------- workers
@@ -538,6 +559,8 @@ class WorkerLoad(BaseModel):
     prefill_tokens_per_s: float | None = None  # measured local prefill speed (feeds the router's stall rule)
     max_seqs: int | None = None  # the most sequences it runs at once (the router paces its queue by it)
     step_ms: float | None = None  # recent decode step time: the fixed cost of any forward pass it runs
+    # Seconds spent computing since start, per stage ("prefill", "decode"): what its requests' StageCost sum to
+    busy_s: dict[str, float] = Field(default_factory=dict, max_length=8)
 
 
 class Heartbeat(Message):

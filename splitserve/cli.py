@@ -535,20 +535,25 @@ def usage(
     nats_url: str | None = NatsUrlOpt,
     since: str = typer.Option("24h", "--since", help="how far back: e.g. 15m, 24h, 7d, or 'all'"),
     tenant: str | None = typer.Option(None, "--tenant", help="only this tenant"),
-    by: str = typer.Option("tenant", "--by", help="rows per tenant, per tenant and model ('model'), or per "
-                           "tenant, model and LoRA adapter ('adapter')"),
+    by: str = typer.Option("tenant", "--by", help="rows per tenant, per tenant and model ('model'), per tenant, "
+                           "model and LoRA adapter ('adapter'), or per tenant and model with the worker-seconds "
+                           "each stage cost ('stage': prefill, KV transfer, decode, and what cache hits saved)"),
     as_json: bool = typer.Option(False, "--json", help="print the totals as JSON (by tenant: an object keyed by "
-                                 "tenant; by model or adapter: a list of rows)"),
+                                 "tenant; otherwise a list of rows)"),
+    as_csv: bool = typer.Option(False, "--csv", help="print the rows as CSV (for finance: every column)"),
 ) -> None:
-    """Usage metering: per tenant (and model, adapter), requests and prompt / completion / cached tokens, summed
-    from every request's RequestFinished event (kept a week in the SS_USAGE stream)."""
+    """Usage metering and chargeback: per tenant (and model, adapter), requests, prompt / completion / cached
+    tokens and the worker-seconds per stage, summed from every request's RequestFinished event (kept a week in
+    the SS_USAGE stream)."""
     from rich.console import Console
     from rich.table import Table
 
     from splitserve.ops import USAGE_GROUPS, read_usage, usage_rows
 
-    if by not in USAGE_GROUPS:
-        raise typer.BadParameter(f"--by {by!r}: one of {', '.join(USAGE_GROUPS)}")
+    if by not in (*USAGE_GROUPS, "stage"):
+        raise typer.BadParameter(f"--by {by!r}: one of {', '.join(USAGE_GROUPS)}, stage")
+    if as_json and as_csv:
+        raise typer.BadParameter("--json or --csv, not both")
     since_s = _duration_s(since)
 
     async def go() -> None:
@@ -560,7 +565,10 @@ def usage(
                 raise errors.Unavailable(f"cannot read the usage stream: {exc}") from None
         finally:
             await nc.close()
-        rows = usage_rows(events, by)
+        rows = usage_rows(events, "model" if by == "stage" else by)
+        if as_csv:
+            _usage_csv(rows)
+            return
         if as_json:
             if by == "tenant":
                 print(json.dumps({u.tenant: u.to_dict() for u in rows}, indent=2))
@@ -568,17 +576,38 @@ def usage(
                 print(json.dumps([u.to_dict() for u in rows], indent=2))
             return
         t = Table(title=f"usage, {'all kept' if since_s is None else 'last ' + since}")
-        keys = list(USAGE_GROUPS[:USAGE_GROUPS.index(by) + 1])
-        for col in (*keys, "requests", "ok", "errors", "cancelled", "expired", "prompt tokens", "completion tokens",
-                    "cached tokens"):
+        keys = ["tenant", "model"] if by == "stage" else list(USAGE_GROUPS[:USAGE_GROUPS.index(by) + 1])
+        cols = (("requests", "prefill s", "transfer s", "decode s", "worker s", "cached tokens", "saved s")
+                if by == "stage" else ("requests", "ok", "errors", "cancelled", "expired", "prompt tokens",
+                                       "completion tokens", "cached tokens"))
+        for col in (*keys, *cols):
             t.add_column(col, justify="left" if col in keys else "right")
         for u in rows:
             names = [u.tenant, u.model or "-", u.adapter or "-"][:len(keys)]
-            t.add_row(*names, str(u.requests), str(u.ok), str(u.errors), str(u.cancelled), str(u.expired),
-                      f"{u.prompt_tokens:,}", f"{u.completion_tokens:,}", f"{u.cached_tokens:,}")
+            if by == "stage":
+                worker_s = u.prefill_s + u.transfer_s + u.decode_s
+                t.add_row(*names, str(u.requests), f"{u.prefill_s:,.3f}", f"{u.transfer_s:,.3f}",
+                          f"{u.decode_s:,.3f}", f"{worker_s:,.3f}", f"{u.cached_tokens:,}", f"{u.saved_s:,.3f}")
+            else:
+                t.add_row(*names, str(u.requests), str(u.ok), str(u.errors), str(u.cancelled), str(u.expired),
+                          f"{u.prompt_tokens:,}", f"{u.completion_tokens:,}", f"{u.cached_tokens:,}")
         Console().print(t)
 
     _run_operator(go())
+
+
+def _usage_csv(rows: list[Any]) -> None:
+    """The usage rows as CSV on stdout: one line per row, every column (errors as code:count;...)."""
+    import csv
+    import dataclasses
+
+    fields = [f.name for f in dataclasses.fields(rows[0])] if rows else ["tenant"]
+    w = csv.writer(sys.stdout)
+    w.writerow(fields)
+    for u in rows:
+        d = u.to_dict()
+        d["by_error"] = ";".join(f"{k}:{v}" for k, v in sorted(d["by_error"].items()))
+        w.writerow(["" if d[f] is None else d[f] for f in fields])
 
 
 def _duration_s(text: str) -> float | None:

@@ -98,6 +98,11 @@ class TenantUsage:
     by_error: dict[str, int] = field(default_factory=dict)
     model: str | None = None
     adapter: str | None = None
+    # Chargeback: the worker-seconds its requests caused per stage, and what their cache hits saved (StageCost)
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    decode_s: float = 0.0
+    saved_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -144,6 +149,11 @@ def usage_rows(events: list[RequestFinished], by: str = "tenant") -> list[Tenant
             u.prompt_tokens += ev.usage.prompt_tokens
             u.completion_tokens += ev.usage.completion_tokens
             u.cached_tokens += ev.usage.cached_tokens
+        if ev.cost is not None:
+            u.prefill_s += ev.cost.prefill_s
+            u.transfer_s += ev.cost.transfer_s
+            u.decode_s += ev.cost.decode_s
+            u.saved_s += ev.cost.saved_s
     return [out[k] for k in sorted(out, key=lambda k: (k[0], k[1] or "", k[2] or ""))]
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import time
 import uuid
 from collections import deque
@@ -46,6 +47,7 @@ from splitserve.proto import (
     RequestFinished,
     RevokeJob,
     RevokeReply,
+    StageCost,
     StreamDelta,
     StreamError,
     StreamFinal,
@@ -93,10 +95,15 @@ class Admission:
     cached_tokens: int = 0
     prefill_ms: float | None = None
     transfer_ms: float | None = None
+    compute_ms: float | None = None  # its share of the prefiller's compute (None: prefill_ms)
     headers: dict[str, str] | None = None
     started_ms: float | None = None  # when the first worker started the job
     kv_bytes: int | None = None  # KV bytes pushed by the prefiller
     first_logprob: TokenLogprob | None = None  # the prefiller's, when the request asked for logprobs
+
+
+def _seconds(x: float) -> float:
+    return x if math.isfinite(x) and x > 0 else 0.0
 
 
 @dataclass
@@ -113,6 +120,7 @@ class Sequence:
     started: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)  # perf_counter per emitted token (ITL summary)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when asked for
+    cost: StageCost = field(default_factory=StageCost)  # the worker-seconds it caused (chargeback)
 
 
 class DecodeService(Service):
@@ -144,6 +152,9 @@ class DecodeService(Service):
         self.prefill_chunk = prefill_chunk
         self.max_retire_copy_tokens = max_retire_copy_tokens
         self.step_ms: float | None = None  # EWMA of decode step time
+        # Seconds computing, per stage, since start: what its requests' StageCost sum to (heartbeat busy_s)
+        self.busy_s = {"prefill": 0.0, "decode": 0.0}
+        self._prefill_compute_s = 0.0  # the last local prefill's compute (its chunks' steps excluded)
         self.prefill_tps: float | None = None  # EMA of local prefill speed, reported in heartbeats
         self.cache_tokens = cache_tokens
         self.l1_tokens = l1_tokens
@@ -261,6 +272,7 @@ class DecodeService(Service):
             // max(1, self.opts.block_size),
             cached_blocks=sum(self.store.stats().blocks.values()) if self.store is not None else 0,
             prefill_tokens_per_s=self.prefill_tps, step_ms=self.step_ms,
+            busy_s={k: round(v, 6) for k, v in self.busy_s.items()},
         )
 
     def active_requests(self) -> list[str]:
@@ -421,6 +433,7 @@ class DecodeService(Service):
         self.pending.append(Admission(job=done.decode, kv=kv, blocks=list(res.block_ids),
                                       first_token=done.first_token,
                                       cached_tokens=done.kv.cached_tokens, prefill_ms=done.kv.prefill_ms,
+                                      compute_ms=done.kv.compute_ms,
                                       transfer_ms=done.kv.transfer_ms, headers=dict(msg.headers or {}),
                                       started_ms=done.kv.started_ms, kv_bytes=done.kv.kv_bytes,
                                       first_logprob=done.first_logprob))
@@ -521,6 +534,7 @@ class DecodeService(Service):
             return
         sampling = engine_sampling(job.sampling, len(job.prompt_token_ids), self.engine.info.eos_token_ids)
         kv, first, prefill_ms = adm.kv, adm.first_token, adm.prefill_ms
+        local_compute_s = 0.0
         first_lp = adm.first_logprob
         context = job.context_token_ids()
         with tracing.span_from(adm.headers, "decode.admit", request_id=job.request_id, tenant=job.tenant,
@@ -537,6 +551,7 @@ class DecodeService(Service):
                     await self._error(job, ErrorCode.PROMPT_TOO_LONG, str(exc))
                     return
                 prefill_ms = (time.perf_counter() - t0) * 1000
+                local_compute_s = self._prefill_compute_s
                 kv, first = res.kv, res.first_token
                 first_lp = self._wire_lp(res.first_logprobs)
                 adm.cached_tokens = max(0, len(job.prompt_token_ids) - res.num_computed_tokens)
@@ -568,6 +583,7 @@ class DecodeService(Service):
                             prefill_ms=prefill_ms,
                             transfer_ms=adm.transfer_ms),
         )
+        seq.cost = self._admission_cost(adm, local_compute_s if adm.kv is None else None)
         if self._is_revoked(job):  # revoked while it prefilled: it runs elsewhere now
             await self.thread.run(self._retire, job.key, [], False)
             self.stream_spans.pop(job.key, trace.INVALID_SPAN).end()
@@ -585,6 +601,22 @@ class DecodeService(Service):
             await self._finish(seq, "stop")
             return
         await self._emit(seq, first, first_lp)
+
+    def _admission_cost(self, adm: Admission, local_compute_s: float | None) -> StageCost:
+        """What a request's prefill and KV transfer cost (its decode steps are added as they run). The cached
+        tokens are valued at the rate its own prefill ran (else this worker's measured rate)."""
+        if local_compute_s is not None:
+            prefill_s, transfer_s = local_compute_s, 0.0
+        else:  # the prefiller's compute and the push left after it, as its PrefillDone reported them
+            compute_ms = adm.compute_ms if adm.compute_ms is not None else adm.prefill_ms
+            prefill_s, transfer_s = (compute_ms or 0.0) / 1000, (adm.transfer_ms or 0.0) / 1000
+        # A prefiller's figures are another process's word: anything not a finite, non-negative time counts 0
+        prefill_s, transfer_s = _seconds(prefill_s), _seconds(transfer_s)
+        cached = max(0, adm.cached_tokens)
+        computed = len(adm.job.context_token_ids()) - cached
+        rate = computed / prefill_s if computed >= 64 and prefill_s > 0 else self.prefill_tps
+        saved = _seconds(cached / rate) if rate else 0.0
+        return StageCost(prefill_s=prefill_s, transfer_s=transfer_s, cached_tokens=cached, saved_s=saved)
 
     async def _local_prefill(self, ids: list[int], sampling: Sampling, cache_salt: str | None = None,
                              lora: str | None = None) -> PrefillResult:
@@ -611,6 +643,8 @@ class DecodeService(Service):
             past, pos = res.kv, end
             await self._step()
         self._admitting_prefill = 0
+        self._prefill_compute_s = compute_s
+        self.busy_s["prefill"] += compute_s
         computed = len(ids) - cached
         self.log.info("local_prefill", tokens=len(ids), cached_tokens=cached, chunks=chunks,
                       compute_ms=round(compute_s * 1000, 1), streams=len(self.active))
@@ -653,6 +687,12 @@ class DecodeService(Service):
         lps = dict(self.engine.step_logprobs())
         ms = (time.perf_counter() - t0) * 1000
         self.step_ms = ms if self.step_ms is None else 0.8 * self.step_ms + 0.2 * ms
+        if out:  # the step's time is shared by the sequences it advanced (chargeback: StageCost.decode_s)
+            self.busy_s["decode"] += ms / 1000
+            share = ms / 1000 / len(out)
+            for key in out:
+                if (charged := self.active.get(key)) is not None:
+                    charged.cost.decode_s += share
         for key, tok in out.items():
             seq = self.active.get(key)
             if seq is not None:
@@ -712,7 +752,7 @@ class DecodeService(Service):
             request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id,
             status=status,  # type: ignore[arg-type]
             usage=usage, route=job.route, timings=seq.timings, itl_ms=[round(g, 3) for g in gaps],
-            kv_bytes=seq.kv_bytes, finish_reason=reason, model=self.model_name, lora=job.lora))
+            kv_bytes=seq.kv_bytes, finish_reason=reason, model=self.model_name, lora=job.lora, cost=seq.cost))
         sp = self.stream_spans.pop(job.key, None)
         if sp is None:
             sp = trace.INVALID_SPAN

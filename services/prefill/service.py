@@ -191,6 +191,7 @@ class PrefillService(Service):
         self.reserve_wait_s = reserve_wait_s
         self.queue: deque[tuple[PrefillJob, dict[str, str]]] = deque()
         self.current: DecodeJob | None = None
+        self.busy_s = {"prefill": 0.0}  # seconds computing since start: its requests' StageCost.prefill_s sum to it
         self.batching: list[DecodeJob] = []  # the jobs of a batched prefill in progress
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -248,7 +249,8 @@ class PrefillService(Service):
             running=len(running), waiting=len(self.queue),
             running_tokens=sum(len(j.context_token_ids()) for j in running),
             waiting_tokens=sum(len(j.decode.context_token_ids()) for j, _ in self.queue),
-            cached_blocks=sum(self.store.stats().blocks.values()) if self.store is not None else 0)
+            cached_blocks=sum(self.store.stats().blocks.values()) if self.store is not None else 0,
+            busy_s={k: round(v, 6) for k, v in self.busy_s.items()})
 
     def active_requests(self) -> list[str]:
         keys = [j.decode.key for j, _ in self.queue]  # proto.request_key: ids are unique per tenant only
@@ -467,6 +469,8 @@ class PrefillService(Service):
                 except AdapterBusy as exc:
                     raise JobFailed(ErrorCode.BUSY, str(exc)) from None
                 prefill_ms = (time.perf_counter() - t0) * 1000
+                compute_ms = prefill_ms / batch  # the batch's members share its time (chargeback)
+                self.busy_s["prefill"] += compute_ms / 1000
                 csp.set_attribute("prefill.tokens", len(ids))
                 csp.set_attribute("prefill.cached_tokens", len(ids) - res.num_computed_tokens)
                 csp.set_attribute("prefill.computed_tokens", res.num_computed_tokens)
@@ -507,7 +511,7 @@ class PrefillService(Service):
             kv=KvHandle(transfer_id=reservation.transfer_id, num_tokens=len(ids),
                         cached_tokens=len(ids) - res.num_computed_tokens, kv_bytes=nbytes,
                         transport=transport, prefill_ms=prefill_ms, transfer_ms=transfer_ms,
-                        started_ms=started_ms),
+                        started_ms=started_ms, compute_ms=compute_ms),
             decode=job, first_logprob=wire_logprob(self.engine, res.first_logprobs),
         )
         # delivered until the decoder answers (splitserve.services.common.handoff): awaited here, so a draining

@@ -140,6 +140,13 @@ class ClusterMetrics:
                                      [*m, "lora_name", "kind"], registry=r)
         self.model_tokens = Counter("splitserve_model_tokens_total", "Tokens by tenant, model and kind (prompt, "
                                     "completion, cached)", ["tenant", "model_name", "kind"], registry=r)
+        # Chargeback: the worker-seconds requests caused per stage (their RequestFinished.cost)
+        self.worker_seconds = Counter("splitserve_worker_seconds_total", "Worker-seconds requests caused, by "
+                                      "tenant, model and stage (prefill, transfer, decode)",
+                                      ["tenant", "model_name", "stage"], registry=r)
+        self.saved_seconds = Counter("splitserve_cache_saved_seconds_total", "Prefill seconds the prefix cache "
+                                     "saved (cached tokens at the request's prefill rate)", ["tenant", "model_name"],
+                                     registry=r)
 
     def _model(self, worker_id: str) -> str:
         seen = self.workers.get(worker_id)
@@ -181,6 +188,11 @@ class ClusterMetrics:
             n = ev.usage.completion_tokens if ev.usage is not None else 0
             if t.total_ms is not None and t.ttft_server_ms is not None and n > 1:
                 self.v_tpot.labels(model).observe(max(0.0, t.total_ms - t.ttft_server_ms) / 1000 / (n - 1))
+        if ev.cost is not None:
+            c = ev.cost
+            for stage, secs in (("prefill", c.prefill_s), ("transfer", c.transfer_s), ("decode", c.decode_s)):
+                self.worker_seconds.labels(ev.tenant, model, stage).inc(max(0.0, secs))
+            self.saved_seconds.labels(ev.tenant, model).inc(max(0.0, c.saved_s))
         itl = self.v_itl.labels(model)
         for g in ev.itl_ms:
             itl.observe(g / 1000)

@@ -7,10 +7,14 @@ import asyncio
 import time
 from pathlib import Path
 
+import nats
 import pytest
+from nats.aio.msg import Msg
 
+from splitserve import proto
 from splitserve.client import Client
 from splitserve.natsserver import NatsServer
+from splitserve.proto import RequestFinished
 from tests.procs import heartbeat_of, spawn_service, stop, wait_ready
 
 REQUESTS = 20
@@ -33,6 +37,13 @@ async def test_concurrent_requests_through_a_stack_of_mocks(nats_server: NatsSer
         await wait_ready(url, ["router-m", "decode-m"], timeout=120)
         hb = await heartbeat_of(url, "decode-m")
         assert str(hb.model_dump()).count("mock-SmolLM2") >= 1  # it tells the cluster it is a mock
+        nc = await nats.connect(url)
+        finished: list[RequestFinished] = []
+
+        async def on_finished(msg: Msg) -> None:
+            finished.append(proto.decode(msg.data, RequestFinished))
+
+        await nc.subscribe("ss.evt.finished.load.>", cb=on_finished)
         started = time.monotonic()
         async with Client(url, tenant="load") as client:
             results = await asyncio.gather(*(client.complete(f"request {i}: count to ten", max_tokens=MAX_TOKENS)
@@ -47,6 +58,26 @@ async def test_concurrent_requests_through_a_stack_of_mocks(nats_server: NatsSer
             again = await client.complete("request 3: count to ten", max_tokens=MAX_TOKENS)
         assert again.token_ids == results[3].token_ids
         assert took < 30, f"{REQUESTS} mock requests took {took:.1f} s"
+
+        long = "Tell me about the tides and the moon, and then about the sea and its shores. " * 8
+        async with Client(url, tenant="load") as client:
+            await client.complete(long, max_tokens=4)
+            repeat = await client.complete(long, max_tokens=4)
+
+        # Chargeback: each decode step's time is shared by the sequences it advanced, and every prefill's compute
+        # is its request's, so the requests' costs sum to what the decoder reports busy (nothing lost or doubled)
+        await asyncio.sleep(0.5)
+        await nc.close()
+        busy = (await heartbeat_of(url, "decode-m")).load.busy_s
+        costs = [ev.cost for ev in finished if ev.cost is not None]
+        assert len(costs) == len(finished) == REQUESTS + 3
+        assert busy["decode"] > 0 and busy["prefill"] > 0
+        assert sum(c.decode_s for c in costs) == pytest.approx(busy["decode"], abs=1e-3)
+        assert sum(c.prefill_s for c in costs) == pytest.approx(busy["prefill"], abs=1e-3)
+        assert all(c.decode_s > 0 and c.transfer_s == 0 for c in costs)  # direct: no KV moved
+        # the repeated long prompt found its blocks cached: what they would have cost is reported as saved
+        cost = next(ev.cost for ev in finished if ev.request_id == repeat.request_id)
+        assert cost is not None and cost.cached_tokens == repeat.usage.cached_tokens > 0 and cost.saved_s > 0
     finally:
         stop(*procs)
         for name in ("router-m", "decode-m"):

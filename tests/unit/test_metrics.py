@@ -83,3 +83,18 @@ def test_series_by_model_and_adapter_come_from_the_event_not_the_worker() -> Non
     assert s[("splitserve:generation_tokens_total", (("model_name", "smol"),))] == 3
     assert s[("splitserve:request_failure_total", (("error_code", "no_workers"), ("model_name", "big")))] == 1
     assert not any(k[0].startswith("splitserve:lora") and ("model_name", "big") in k[1] for k in s)
+
+
+def test_worker_seconds_per_stage_and_saved_seconds_are_counted_per_tenant_and_model() -> None:
+    from splitserve.proto import StageCost
+
+    m = ClusterMetrics()
+    cost = StageCost(prefill_s=0.5, transfer_s=0.25, decode_s=2.0, cached_tokens=64, saved_s=0.1)
+    for rid in ("r1", "r2"):
+        m.on_finished(RequestFinished(request_id=rid, tenant="acme", worker_id="decode-0", status="ok",
+                                      model="smol", cost=cost), now=0.0)
+    s = _samples(m)
+    for stage, want in (("prefill", 1.0), ("transfer", 0.5), ("decode", 4.0)):
+        assert s[("splitserve_worker_seconds_total", (("model_name", "smol"), ("stage", stage),
+                                                      ("tenant", "acme")))] == want
+    assert s[("splitserve_cache_saved_seconds_total", (("model_name", "smol"), ("tenant", "acme")))] == 0.2

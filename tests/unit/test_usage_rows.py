@@ -42,3 +42,31 @@ def test_rows_split_each_tenant_by_model_then_adapter() -> None:
 def test_an_unknown_grouping_is_refused() -> None:
     with pytest.raises(ValueError, match="one of tenant, model, adapter"):
         usage_rows(EVENTS, "stage")
+
+
+def test_stage_seconds_are_summed_per_row_and_exported_as_csv(capsys: pytest.CaptureFixture[str]) -> None:
+    from splitserve.cli import _usage_csv
+    from splitserve.proto import StageCost
+
+    evs = [_ev("1", "a", "smol"), _ev("2", "a", "smol"), _ev("3", "b", "big")]
+    for ev, (p, t, d) in zip(evs, ((0.5, 0.1, 2.0), (0.25, 0.0, 1.0), (1.0, 0.2, 3.0)), strict=True):
+        ev.cost = StageCost(prefill_s=p, transfer_s=t, decode_s=d, cached_tokens=16, saved_s=0.05)
+    rows = {(u.tenant, u.model): u for u in usage_rows(evs, "model")}
+    a = rows[("a", "smol")]
+    assert (a.prefill_s, a.transfer_s, a.decode_s, a.saved_s) == (0.75, 0.1, 3.0, 0.1)
+    _usage_csv(list(rows.values()))
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[0].split(",")
+    assert {"tenant", "model", "prefill_s", "decode_s", "saved_s", "by_error"} <= set(header)
+    first = dict(zip(header, lines[1].split(","), strict=True))
+    assert (first["tenant"], first["model"], float(first["decode_s"])) == ("a", "smol", 3.0)
+
+
+def test_a_cost_that_is_not_a_finite_non_negative_time_is_refused() -> None:
+    from pydantic import ValidationError
+
+    from splitserve.proto import StageCost
+
+    for bad in ({"decode_s": float("nan")}, {"prefill_s": -1.0}, {"saved_s": float("inf")}, {"cached_tokens": -2}):
+        with pytest.raises(ValidationError):
+            StageCost(**bad)  # type: ignore[arg-type]
