@@ -87,3 +87,57 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
     # stable: a file's tests stay together and in order (module fixtures start one stack per file)
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
+# --- where CI's time goes: CPU seconds per test file ----------------------------------------------------------
+# CI is CPU-bound (2 cores, 3 workers), so the file that costs the most CPU, not the longest wall, is the one to
+# make cheaper. Each worker counts its own CPU and that of every process its tests started and reaped (stacks,
+# services, clients: RUSAGE_CHILDREN), per file; the summary lists the costliest files of the run.
+_CPU_BY_FILE: dict[str, list[float]] = {}  # file -> [cpu seconds, wall seconds]
+
+
+def _cpu_now() -> float:
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    import time
+
+    cpu0, wall0 = _cpu_now(), time.monotonic()
+    yield  # setup, call and teardown (a module's fixtures end with its last test)
+    acc = _CPU_BY_FILE.setdefault(item.nodeid.split("::", 1)[0], [0.0, 0.0])
+    acc[0] += _cpu_now() - cpu0
+    acc[1] += time.monotonic() - wall0
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    out = getattr(session.config, "workeroutput", None)  # an xdist worker: hand the figures to the controller
+    if out is not None:
+        out["cpu_by_file"] = _CPU_BY_FILE
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_CpuFromWorkers(), "splitserve-cpu-from-workers")
+
+
+class _CpuFromWorkers:
+    def pytest_testnodedown(self, node: object, error: object) -> None:
+        for path, (cpu, wall) in getattr(node, "workeroutput", {}).get("cpu_by_file", {}).items():
+            acc = _CPU_BY_FILE.setdefault(path, [0.0, 0.0])
+            acc[0] += cpu
+            acc[1] += wall
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    if not _CPU_BY_FILE or getattr(config, "workerinput", None) is not None:
+        return
+    total = sum(cpu for cpu, _ in _CPU_BY_FILE.values())
+    top = sorted(_CPU_BY_FILE.items(), key=lambda kv: -kv[1][0])[:12]
+    terminalreporter.write_sep("=", f"CPU seconds by test file (all {total:.0f} s; the costliest 12)")
+    for path, (cpu, wall) in top:
+        terminalreporter.write_line(f"{cpu:8.1f} cpu s {wall:8.1f} wall s  {path}")

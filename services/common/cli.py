@@ -12,9 +12,10 @@ Dtype = typer.Option("float32")
 ServedModelName = typer.Option(None, help="the name this worker serves its model under (its heartbeats' model, "
                                "which routers match requests' model against; default: the engine's model name)")
 LoraModules = typer.Option([], "--lora-modules", help="a LoRA adapter to load at start, NAME=PATH (a PEFT "
-                           "folder; repeatable): requests whose model is NAME run with it (hf engine)")
+                           "folder; repeatable): requests whose model is NAME run with it (hf and vllm engines)")
 MaxLoras = typer.Option(0, "--max-loras", min=0, help="LoRA adapters loaded at once: each on first use, the least "
-                        "recently used unloaded to make room (0: every --lora-modules adapter, at start)")
+                        "recently used unloaded to make room (0: every --lora-modules adapter, at start); vllm: "
+                        "adapters in one batch (vLLM's --max-loras; every --lora-modules adapter stays registered)")
 Threads = typer.Option(None, help="torch intra-op threads")
 BlockSize = typer.Option(16, help="KV block size in tokens")
 Transport = typer.Option("nixl", help="KV transport: nixl | tcp")
@@ -41,5 +42,8 @@ VllmGpuMemory = typer.Option(0.85, envvar="SPLITSERVE_VLLM_GPU_MEMORY",
 VllmTp = typer.Option(1, envvar="SPLITSERVE_VLLM_TP", help="vllm: tensor parallel size")
 VllmKvEvents = typer.Option(True, envvar="SPLITSERVE_VLLM_KV_EVENTS",
                             help="vllm: bridge vLLM's KV events into the cache index")
+VllmMaxLoraRank = typer.Option(None, envvar="SPLITSERVE_VLLM_MAX_LORA_RANK",
+                               help="vllm: the largest LoRA rank it serves (1, 8, 16, 32, 64, 128, 256, 320, 512; "
+                                    "default: the --lora-modules adapters' largest, 16 with none)")
 LmcacheConfig = typer.Option(None, envvar="LMCACHE_CONFIG_FILE",
                              help="vllm + lmcache: the LMCache PD config file of this worker")

@@ -3,7 +3,9 @@ them (with this worker's own ports), and the heartbeat load taken from vLLM's sc
 
 from __future__ import annotations
 
+import inspect
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,7 @@ class VllmOptions:
     tensor_parallel_size: int = 1
     lmcache_config: str | None = None  # LMCache PD config file (deploy/ generates one per pool)
     route_block_size: int = DEFAULT_BLOCK_SIZE  # the router's hashing block size
+    max_lora_rank: int | None = None  # vLLM's max_lora_rank (None: the --lora-modules adapters' largest rank)
 
 
 def vllm_config(opts: EngineOptions, v: VllmOptions, *, role: str, max_num_seqs: int, worker_id: str = "") -> Any:
@@ -53,7 +56,24 @@ def vllm_config(opts: EngineOptions, v: VllmOptions, *, role: str, max_num_seqs:
         nixl_side_channel_port=free_port() if connector == "nixl" else None,
         lmcache_config_file=lmcache_file,
         kv_events_endpoint=events, kv_events_replay_endpoint=replay,
+        # vLLM's own LoRA: --max-loras N is its batch slots (it does the LRU of adapters itself); every
+        # --lora-modules adapter is registered at start
+        lora_modules=opts.lora_modules, max_loras=opts.max_loras, max_lora_rank=v.max_lora_rank,
     )
+
+
+def check_lora(cfg: Any) -> None:
+    """Refuse, at start, LoRA settings the vllm engine cannot serve (requests for them would fail later)."""
+    if cfg.lora_enabled and cfg.kv_connector == "lmcache":
+        raise ValueError("--lora-modules / --max-loras with --kv-connector lmcache: not checked yet (LMCache must "
+                         "keep an adapter's KV apart from the base model's); use --kv-connector nixl")
+
+
+async def run_on_loop(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """AdapterSlots' engine runner on the vllm engine: its adapter calls are coroutines of the event loop that owns
+    vLLM's AsyncLLM (the hf engine's run on the engine thread instead)."""
+    out = fn(*args, **kw)
+    return await out if inspect.isawaitable(out) else out
 
 
 def vllm_load(engine: Any, *, active: int, queued: int, route_block_size: int,

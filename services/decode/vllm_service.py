@@ -17,7 +17,7 @@ from typing import Any
 import structlog
 from nats.aio.msg import Msg
 
-from splitserve.engines import PromptTooLong
+from splitserve.engines import PromptTooLong, UnknownAdapter
 from splitserve.engines.detok import IncrementalDetokenizer, StopChecker
 from splitserve.engines.generate import GenRequest
 from splitserve.obs import tracing
@@ -27,16 +27,25 @@ from splitserve.proto import (
     ErrorCode,
     KvReserveReply,
     KvReserveRequest,
+    LoraAdminRequest,
     PrefillDone,
     Subjects,
     Timings,
     WorkerLoad,
     now_ms,
 )
+from splitserve.services.common.adapters import AdapterSlots
 from splitserve.services.common.options import EngineOptions
 from splitserve.services.common.sampling import engine_sampling
 from splitserve.services.common.vllm_kv import VllmKvBridge
-from splitserve.services.common.vllm_worker import VllmOptions, serve_vllm_metrics, vllm_config, vllm_load
+from splitserve.services.common.vllm_worker import (
+    VllmOptions,
+    check_lora,
+    run_on_loop,
+    serve_vllm_metrics,
+    vllm_config,
+    vllm_load,
+)
 from splitserve.services.decode.service import DecodeService, Sequence
 
 
@@ -54,12 +63,14 @@ class VllmDecodeService(DecodeService):
     async def setup(self) -> None:
         from splitserve.engines.vllm_engine import VllmEngine
 
-        if self.opts.lora_modules:  # refused, not ignored: requests for them would never find a worker
-            raise ValueError("--lora-modules: LoRA adapters are served by the hf engine (the vllm engine: not yet)")
-
         cfg = vllm_config(self.opts, self.vopts, role="decode", max_num_seqs=self.max_batch,
                           worker_id=self.worker_id)
+        check_lora(cfg)
         self.engine = await VllmEngine.start(cfg)  # type: ignore[assignment]
+        # vLLM holds every registered adapter and does the LRU of its batch slots itself (--max-loras), so the
+        # slots here have no capacity: "loaded" is vLLM's registered set, all of it ready for a request
+        self.adapters = AdapterSlots(self.opts.lora_modules, 0, run_on_loop)
+        self.adapters.started(self.engine.loras())
         serve_vllm_metrics(self.log)
         if cfg.kv_events_endpoint:
             self.bridge = VllmKvBridge(self.b, self.worker_id, cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint,
@@ -75,6 +86,7 @@ class VllmDecodeService(DecodeService):
         await b.subscribe(Subjects.kv_reserve(self.worker_id), KvReserveRequest, self.on_reserve)
         await b.subscribe(Subjects.kv_ready(self.worker_id), PrefillDone, self.on_kv_ready, concurrent=True)
         await b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel, scoped=True)
+        await b.subscribe(Subjects.ADMIN_LORA, LoraAdminRequest, self.on_lora_admin)
         if self.bridge is not None:
             await self.bridge.start()
 
@@ -112,7 +124,8 @@ class VllmDecodeService(DecodeService):
         extra: dict[str, Any] = {"engine": "vllm", "transport": f"vllm-{self.vopts.kv_connector}",
                                  "block_size": self.vopts.route_block_size, "pool": self.pool_name}
         if hasattr(self, "engine"):
-            extra.update(model=self.model_name, max_model_len=self.engine.info.max_model_len)
+            extra.update(model=self.model_name, max_model_len=self.engine.info.max_model_len,
+                         adapters=self.adapters.loaded(), adapters_available=self.adapters.available())
         return extra
 
     # --- inputs ---------------------------------------------------------------------------------------
@@ -175,6 +188,11 @@ class VllmDecodeService(DecodeService):
             await self._finish_unstarted(job, "expired")
             return
         started_ms = done.kv.started_ms if done is not None and done.kv.started_ms else now_ms()
+        try:
+            await self.adapters.ensure(self.engine, job.lora)  # served here (registered with vLLM), or refused
+        except UnknownAdapter as exc:
+            await self._error(job, ErrorCode.MODEL_NOT_FOUND, str(exc))
+            return
         sampling = engine_sampling(job.sampling, len(job.prompt_token_ids), self.engine.info.eos_token_ids)
         eos = () if job.sampling.ignore_eos else self.engine.info.eos_token_ids
         max_new = self._max_new(job)
@@ -192,7 +210,7 @@ class VllmDecodeService(DecodeService):
             given, params = done.first_token, None
             ids.append(given)
         req = GenRequest(key, ids, sampling, max(1, max_new - (given is not None)), tuple(eos), params,
-                         job.cache_salt)
+                         job.cache_salt, lora=job.lora)
         first = True
         if given is not None:
             self.active[key] = seq
@@ -238,6 +256,9 @@ class VllmDecodeService(DecodeService):
                 await gen.aclose()
             except PromptTooLong as exc:
                 await self._error(job, ErrorCode.PROMPT_TOO_LONG, str(exc))
+                return
+            except UnknownAdapter as exc:  # unloaded by an operator since the check above
+                await self._error(job, ErrorCode.MODEL_NOT_FOUND, str(exc))
                 return
             except asyncio.CancelledError:
                 raise

@@ -47,6 +47,7 @@ def main(
     vllm_gpu_memory: float = cli.VllmGpuMemory,
     vllm_tp: int = cli.VllmTp,
     vllm_kv_events: bool = cli.VllmKvEvents,
+    vllm_max_lora_rank: int | None = cli.VllmMaxLoraRank,
     lmcache_config: str | None = cli.LmcacheConfig,
 ) -> None:
     from splitserve.services.prefill.service import PrefillService
@@ -61,7 +62,8 @@ def main(
         vopts = VllmOptions(kv_connector=kv_connector, kv_backend=kv_backend, kv_events=vllm_kv_events,
                             max_model_len=vllm_max_model_len, engine_block_size=vllm_block_size,
                             kv_cache_gib=vllm_kv_cache_gib, gpu_memory_utilization=vllm_gpu_memory,
-                            tensor_parallel_size=vllm_tp, lmcache_config=lmcache_config)
+                            tensor_parallel_size=vllm_tp, lmcache_config=lmcache_config,
+                            max_lora_rank=vllm_max_lora_rank)
         run_service(VllmPrefillService(worker_id, nats_url, opts=opts, vllm=vopts, log_level=log_level))
         return
     run_service(PrefillService(worker_id, nats_url, opts=opts, cache_tokens=cache_tokens, l1_tokens=l1_tokens,

