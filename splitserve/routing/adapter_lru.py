@@ -1,10 +1,12 @@
 """A worker's LoRA adapter slots as pure bookkeeping: which adapters are loaded, which one goes to make room.
 
-The rule of ``--max-loras N`` (``services/common/adapters.py`` runs it around the engine; the simulator's workers
-run this class itself): at most N adapters are loaded at once; one is loaded when a sequence first needs it, and the
-least recently used one that no running sequence holds is unloaded to make room. When every slot is held by running
-sequences, the sequence waits (``can_admit`` is False) until one is released. Capacity 0 means no limit: every
-adapter is loaded at start and stays (nothing is ever loaded on demand).
+The rule of ``--max-loras N``: at most N adapters are loaded at once; one is loaded when a sequence first needs
+it, and the least recently used one that no running sequence holds is unloaded to make room. When every slot is
+held by running sequences, the sequence waits (``can_admit`` is False) until one is released. Capacity 0 means no
+limit: every adapter is loaded at start and stays (nothing is ever loaded on demand). The simulator's workers run
+this class; a live worker's ``AdapterSlots`` (``services/common/adapters.py``) applies the same rule with its
+engine as the judge of which adapters running sequences hold (only the engine knows): it asks the engine to unload
+the least recently used and moves on to the next when the engine refuses.
 
 Pure and synchronous (no engine, no asyncio, no clock): the caller says which adapters its running sequences hold.
 """
