@@ -83,3 +83,47 @@ async def test_concurrent_requests_through_a_stack_of_mocks(nats_server: NatsSer
         for name in ("router-m", "decode-m"):
             log = logs / f"{name}.log"
             print(f"--- {name}\n{log.read_text(errors='replace')[-3000:] if log.exists() else ''}")
+
+
+@pytest.mark.slow
+async def test_disaggregated_costs_sum_to_the_prefiller_and_decoder_busy_seconds(
+        nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chargeback with a prefiller: each request's prefill_s is its share of the prefiller's compute (a batched
+    prefill's time split among its members), its transfer_s the push after it, and its decode_s its share of the
+    decoder's steps; summed over the requests they are the two workers' busy seconds."""
+    url, logs = nats_server.url, tmp_path / "logs"
+    with monkeypatch.context() as env:
+        env.setenv("SPLITSERVE_MOCK_STEP_MS", "2")
+        env.setenv("SPLITSERVE_MOCK_PREFILL_TPS", "5000")  # prefill takes time in proportion, as a real one
+        procs = [spawn_service("splitserve.services.router", "--disagg-threshold", "0", "--no-queue",
+                               nats_url=url, worker_id="router-c", log_dir=logs),
+                 spawn_service("splitserve.services.prefill", "--engine", "mock", "--transport", "tcp",
+                               nats_url=url, worker_id="prefill-c", log_dir=logs),
+                 spawn_service("splitserve.services.decode", "--engine", "mock", "--transport", "tcp", "--max-batch",
+                               "8", nats_url=url, worker_id="decode-c", log_dir=logs)]
+    try:
+        await wait_ready(url, ["router-c", "prefill-c", "decode-c"], timeout=120)
+        nc = await nats.connect(url)
+        finished: list[RequestFinished] = []
+
+        async def on_finished(msg: Msg) -> None:
+            finished.append(proto.decode(msg.data, RequestFinished))
+
+        await nc.subscribe("ss.evt.finished.bill.>", cb=on_finished)
+        async with Client(url, tenant="bill") as client:
+            results = await asyncio.gather(*(client.complete(f"request {i}: " + "a long prompt to prefill " * 12,
+                                                             max_tokens=8) for i in range(12)))
+        assert all(r.route == "disaggregated" and r.prefill_worker == "prefill-c" for r in results)
+        await asyncio.sleep(0.5)
+        await nc.close()
+        p_busy = (await heartbeat_of(url, "prefill-c", role="prefill")).load.busy_s
+        d_busy = (await heartbeat_of(url, "decode-c")).load.busy_s
+        costs = [ev.cost for ev in finished if ev.cost is not None]
+        assert len(costs) == len(finished) == 12
+        assert p_busy["prefill"] > 0 and d_busy["decode"] > 0
+        assert sum(c.prefill_s for c in costs) == pytest.approx(p_busy["prefill"], rel=0.05)
+        assert sum(c.decode_s for c in costs) == pytest.approx(d_busy["decode"], rel=0.05)
+        assert d_busy["prefill"] == 0  # the decoder computed no prompt of these
+        assert all(c.transfer_s >= 0 and c.prefill_s > 0 for c in costs)
+    finally:
+        stop(*procs)
