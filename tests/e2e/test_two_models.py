@@ -8,6 +8,7 @@ one the tenant's contract leaves out (403); the SDK raises the same errors."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import subprocess
 import sys
@@ -70,6 +71,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, derived: Path, adapter: Path
         assert rc == 0, sp.output
 
 
+@functools.cache  # the bundled model's reference is wanted twice: its GGUF converts once
 def _reference(ref: str | None, n: int, adapter: Path | None = None) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy tokens) of plain transformers on that model's files (None: the bundled model), with
     peft applying ``adapter`` when given."""
