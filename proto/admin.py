@@ -4,6 +4,9 @@
 answers from its live worker views, its cache-index replica and its pending-load ledger without dispatching
 anything or changing any of its state (see ``splitserve.routing.explain``).
 
+``ss.admin.cache.stats``: "what does the cache index hold?" A cache-index service answers with its blocks per
+worker and tier and how far it has read the workers' KV event stream (``splitserve cache stats``).
+
 Same compatibility rule as ``proto.messages``: within one ``v`` fields are only added with defaults.
 """
 
@@ -17,7 +20,8 @@ from splitserve.proto.messages import ChatMessage, Message, now_ms
 from splitserve.proto.subjects import check_token
 from splitserve.proto.tokens import TokenIds
 
-__all__ = ["ExplainWorker", "LoraAdminReply", "LoraAdminRequest", "RouteExplainReply", "RouteExplainRequest",
+__all__ = ["CacheStatsReply", "CacheStatsRequest", "CacheWorkerStats",
+           "ExplainWorker", "LoraAdminReply", "LoraAdminRequest", "RouteExplainReply", "RouteExplainRequest",
            "StrategyExplanation"]
 
 MAX_EXPLAIN_STRATEGIES = 16
@@ -115,3 +119,35 @@ class LoraAdminReply(Message):
     ok: bool
     message: str = ""
     adapters: list[str] = Field(default_factory=list)  # what the worker has loaded after it acted
+
+
+class CacheStatsRequest(Message):
+    """``ss.admin.cache.stats`` (operator only): the cache index's residency summary."""
+
+    kind: Literal["cache_stats_request"] = "cache_stats_request"
+
+
+class CacheWorkerStats(BaseModel):
+    """One worker as the cache index sees it."""
+
+    worker_id: str
+    blocks: int = 0  # distinct blocks it holds in any tier
+    blocks_by_medium: dict[str, int] = Field(default_factory=dict)  # tier ("gpu", "cpu", ...) -> blocks
+    last_batch_seq: int = -1  # the last KV event batch applied from it (-1: none yet)
+
+
+class CacheStatsReply(Message):
+    kind: Literal["cache_stats_reply"] = "cache_stats_reply"
+    index_id: str  # the cache-index service that answered (replicas each hold the whole index)
+    ts_ms: float = Field(default_factory=now_ms)
+    blocks: int = 0  # distinct blocks held by some worker in some tier
+    blocks_by_medium: dict[str, int] = Field(default_factory=dict)
+    workers: list[CacheWorkerStats] = Field(default_factory=list)
+    batches: int = 0  # KV event batches applied since it started (or restored)
+    events: int = 0
+    gaps: int = 0  # sequence gaps seen (each resynced from the worker's dump)
+    stale_batches: int = 0
+    restarts: int = 0  # workers seen starting over (seq 0 again)
+    applied_seq: int = 0  # the last SS_KV_EVENTS stream sequence applied
+    snapshot_seq: int = 0  # ... and the one its last snapshot covers (what a starting router loads)
+    restored_from: int | None = None  # the snapshot it restored at its own start

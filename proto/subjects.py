@@ -30,6 +30,8 @@ Layout (``ss`` is the product prefix; ``{tenant}`` and ``{worker}`` are single t
   ss.admin.queues                 operator -> router, request/reply: QueueReportRequest -> QueueReport
   ss.admin.route.explain          operator -> router, request/reply: RouteExplainRequest -> RouteExplainReply
                                   (what each strategy would decide for a prompt now; nothing is dispatched)
+  ss.admin.cache.stats            operator -> cache index, request/reply: CacheStatsRequest -> CacheStatsReply
+                                  (blocks per worker and tier, stream position)
   ss.admin.lora                   operator/front door -> every worker, request/reply: LoraAdminRequest ->
                                   LoraAdminReply from each worker of the model (load or unload an adapter)
   ss.cancel.{tenant}              client/front door -> every worker: CancelRequest
@@ -202,6 +204,7 @@ class Subjects:
     QUEUE_STREAM = "SS_QUEUE"  # the durable per-tenant work queue between intake and dispatch
     ADMIN_QUEUES = "ss.admin.queues"
     ADMIN_ROUTE_EXPLAIN = "ss.admin.route.explain"
+    ADMIN_CACHE_STATS = "ss.admin.cache.stats"  # operator -> cache index: CacheStatsRequest -> CacheStatsReply
     ADMIN_LORA = "ss.admin.lora"  # operator -> every worker: LoraAdminRequest -> LoraAdminReply (one per worker)
 
     @staticmethod

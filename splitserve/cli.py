@@ -24,6 +24,8 @@ app.add_typer(sim_app, name="sim")
 app.add_typer(_k8s.app, name="k8s")
 models_app = typer.Typer(no_args_is_help=True, help="model files (e.g. a second model for multi-model stacks)")
 app.add_typer(models_app, name="models")
+cache_app = typer.Typer(no_args_is_help=True, help="the prefix cache: what the cache index holds, who holds a prompt")
+app.add_typer(cache_app, name="cache")
 
 
 
@@ -608,6 +610,106 @@ def _usage_csv(rows: list[Any]) -> None:
         d = u.to_dict()
         d["by_error"] = ";".join(f"{k}:{v}" for k, v in sorted(d["by_error"].items()))
         w.writerow(["" if d[f] is None else d[f] for f in fields])
+
+
+@cache_app.command("stats")
+def cache_stats(
+    nats_url: str | None = NatsUrlOpt,
+    as_json: bool = typer.Option(False, "--json", help="print the cache index's report as JSON"),
+) -> None:
+    """Blocks per worker and tier as the cache-index service sees them, and how far it has read the workers' KV
+    events (``ss.admin.cache.stats``; what a starting router loads)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from splitserve.ops import cache_stats as ask
+
+    async def go() -> Any:
+        nc = await _operator_nc(nats_url)
+        try:
+            return await ask(nc)
+        except errors.SplitserveError:
+            raise
+        except Exception as exc:
+            raise errors.Unavailable(f"no cache index answered: {exc}") from None
+        finally:
+            await nc.close()
+
+    rep = _operator_result(go())
+    if as_json:
+        print(rep.model_dump_json(indent=2))
+        return
+    media = sorted({m for w in rep.workers for m in w.blocks_by_medium} | set(rep.blocks_by_medium))
+    tiers = ", ".join(f"{m} {n:,}" for m, n in sorted(rep.blocks_by_medium.items())) or "none"
+    t = Table(title=f"cache index {rep.index_id}: {rep.blocks:,} blocks ({tiers}); KV events read to stream seq "
+                    f"{rep.applied_seq:,}, snapshot at {rep.snapshot_seq:,}; {rep.gaps} gaps, {rep.restarts} "
+                    "worker restarts", title_justify="left")
+    for col in ("worker", "blocks", *media, "last batch"):
+        t.add_column(col, justify="left" if col == "worker" else "right")
+    for w in rep.workers:
+        t.add_row(w.worker_id, f"{w.blocks:,}", *(f"{w.blocks_by_medium.get(m, 0):,}" for m in media),
+                  "-" if w.last_batch_seq < 0 else str(w.last_batch_seq))
+    Console().print(t)
+
+
+@cache_app.command("lookup")
+def cache_lookup(
+    prompt: str = typer.Argument(..., help="the prompt (as `generate` sends it)"),
+    tenant: str = typer.Option("default", "--tenant", help="whose cache: blocks are salted per tenant"),
+    model: str | None = typer.Option(None, "--model", help="a served model (default: the router's default)"),
+    cache_salt: str | None = typer.Option(None, "--cache-salt", help="the request's own cache salt, if it sets one"),
+    nats_url: str | None = NatsUrlOpt,
+    as_json: bool = typer.Option(False, "--json", help="print {prompt_tokens, block_size, workers} as JSON"),
+) -> None:
+    """How many leading blocks of PROMPT each live worker holds, as a router's index replica sees it now. The
+    router tokenizes and salts the prompt exactly as it would route the tenant's request (its route explorer,
+    ``ss.admin.route.explain``): nothing is dispatched and no cache is touched."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from splitserve.ops import route_explain
+    from splitserve.proto import RouteExplainRequest
+
+    try:
+        req = RouteExplainRequest(tenant=tenant, prompt=prompt, model=model, cache_salt=cache_salt, strategies=[])
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+    async def go() -> Any:
+        nc = await _operator_nc(nats_url)
+        try:
+            return await route_explain(nc, req)
+        except errors.SplitserveError:
+            raise
+        except Exception as exc:
+            raise errors.Unavailable(f"no router answered: {exc}") from None
+        finally:
+            await nc.close()
+
+    rep = _operator_result(go())
+    rows = sorted(rep.workers, key=lambda w: (-w.cached_blocks, w.role, w.worker_id))
+    held = [{"worker_id": w.worker_id, "role": w.role, "cached_blocks": w.cached_blocks,
+             "cached_tokens": min(w.cached_blocks * rep.block_size, rep.prompt_tokens)} for w in rows]
+    if as_json:
+        print(json.dumps({"router_id": rep.router_id, "prompt_tokens": rep.prompt_tokens,
+                          "block_size": rep.block_size, "workers": held}, indent=2))
+        return
+    t = Table(title=f"{rep.prompt_tokens:,} prompt tokens ({rep.block_size}-token blocks), tenant {tenant}, as "
+                    f"{rep.router_id} sees it", title_justify="left")
+    for col in ("worker", "role", "cached blocks", "cached tokens"):
+        t.add_column(col, justify="left" if col in ("worker", "role") else "right")
+    for h in held:
+        t.add_row(h["worker_id"], h["role"], str(h["cached_blocks"]), f"{h['cached_tokens']:,}")
+    Console().print(t)
+
+
+def _operator_result(coro: Any) -> Any:
+    """``coro``'s result, or exit 1 with the error (as :func:`_run_operator`)."""
+    try:
+        return asyncio.run(coro)
+    except errors.SplitserveError as exc:
+        typer.echo(f"error {exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 def _duration_s(text: str) -> float | None:

@@ -3,6 +3,7 @@ router's queues hold, what each tenant used, and where a prompt would be routed.
 
 ``queue_report`` asks a router (``ss.admin.queues``) for per-tenant depth, oldest wait and rates.
 ``route_explain`` asks a router (``ss.admin.route.explain``) what each strategy would decide for a prompt.
+``cache_stats`` asks the cache index (``ss.admin.cache.stats``) what it holds per worker and tier.
 ``usage_summary`` reads the ``SS_USAGE`` stream (every request's ``RequestFinished``, kept a week) from a
 start time and sums prompt / completion / cached tokens per tenant, counting each request once.
 """
@@ -21,6 +22,8 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from splitserve import errors, proto
 from splitserve.proto import (
+    CacheStatsReply,
+    CacheStatsRequest,
     QueueReport,
     QueueReportRequest,
     RequestFinished,
@@ -35,6 +38,14 @@ from splitserve.proto.admin import LoraAdminReply, LoraAdminRequest
 async def queue_report(nc: NATS, timeout: float = 5.0) -> QueueReport:
     resp = await nc.request(Subjects.ADMIN_QUEUES, proto.encode(QueueReportRequest()), timeout=timeout)
     return proto.decode(resp.data, QueueReport)
+
+
+async def cache_stats(nc: NATS, timeout: float = 5.0) -> CacheStatsReply:
+    """The cache index's blocks per worker and tier (one replica answers: each holds the whole index)."""
+    resp = await nc.request(Subjects.ADMIN_CACHE_STATS, proto.encode(CacheStatsRequest()), timeout=timeout)
+    if resp.headers and resp.headers.get(proto.HEADER_KIND) == "error":
+        raise errors.from_wire(proto.decode(resp.data, StreamError))
+    return proto.decode(resp.data, CacheStatsReply)
 
 
 async def route_explain(nc: NATS, req: RouteExplainRequest, timeout: float = 5.0) -> RouteExplainReply:

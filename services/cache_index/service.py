@@ -23,15 +23,24 @@ from nats.js.errors import NotFoundError, ObjectNotFoundError
 
 from splitserve import proto
 from splitserve.cache.index import PrefixIndex
-from splitserve.proto import CacheQuery, CacheQueryReply, Heartbeat, KvEventBatch, Subjects, WorkerLoad
+from splitserve.cache.warmstart import BUCKET, SNAPSHOT_KEY, STREAM
+from splitserve.proto import (
+    CacheQuery,
+    CacheQueryReply,
+    CacheStatsReply,
+    CacheStatsRequest,
+    CacheWorkerStats,
+    Heartbeat,
+    KvEventBatch,
+    Subjects,
+    WorkerLoad,
+)
 from splitserve.runtime.jetstream import ensure_replicas, ensure_stream, replicas_for
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
 from splitserve.services.common.resync import resync_index
 
-STREAM = "SS_KV_EVENTS"
-BUCKET = "ss-cache-index"
-SNAPSHOT_KEY = "snapshot"
+__all__ = ["BUCKET", "SNAPSHOT_KEY", "STREAM", "CacheIndexService"]  # the names are splitserve.cache.warmstart's
 
 
 class CacheIndexService(Service):
@@ -82,6 +91,7 @@ class CacheIndexService(Service):
         await self.js.subscribe(Subjects.KV_EVENTS_ALL, cb=self.on_event_msg, ordered_consumer=True, config=config)
         await self.b.subscribe(Subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         await self.b.subscribe(Subjects.CACHE_QUERY, CacheQuery, self.on_query, queue="cache_index")
+        await self.b.subscribe(Subjects.ADMIN_CACHE_STATS, CacheStatsRequest, self.on_stats, queue="cache_index")
         self.b.spawn(self._reaper())
         self.b.spawn(self._snapshotter())
 
@@ -116,6 +126,19 @@ class CacheIndexService(Service):
 
     async def on_query(self, q: CacheQuery, msg: Msg) -> None:
         await self.b.respond(msg, CacheQueryReply(matched_blocks=self.index.lookup(q.block_hashes)))
+
+    async def on_stats(self, _: CacheStatsRequest, msg: Msg) -> None:
+        """``splitserve cache stats``: blocks per worker and tier, and how far the index has read the stream.
+        O(blocks), like a snapshot: an operator's request, not a hot path."""
+        st = self.index.stats()
+        workers = [CacheWorkerStats(worker_id=w, blocks=self.index.worker_blocks(w), blocks_by_medium=by,
+                                    last_batch_seq=self.index.expected_seq(w) - 1)
+                   for w, by in sorted(st.worker_blocks.items())]
+        await self.b.respond(msg, CacheStatsReply(
+            index_id=self.worker_id, blocks=st.blocks, blocks_by_medium=st.blocks_by_medium, workers=workers,
+            batches=st.batches, events=st.events, gaps=self.gaps, stale_batches=st.stale_batches,
+            restarts=st.restarts, applied_seq=self.applied_seq, snapshot_seq=self.snapshot_seq,
+            restored_from=self.restored_from))
 
     async def _reaper(self) -> None:
         while True:

@@ -33,7 +33,8 @@ requests it just dispatched (the other routers' pending-load ledgers count them 
 comparison.
 
 The parts: :mod:`.core` (state, a request's end), :mod:`.intake`, :mod:`.dispatch`, :mod:`.migration`,
-:mod:`.queued_ends`, :mod:`.peers`, :mod:`.admin`.
+:mod:`.queued_ends`, :mod:`.peers`, :mod:`.admin`, :mod:`.warmstart` (the index replica's KV events, warm-started
+from the cache index before the router reports ready).
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ from splitserve.proto import (
     GenerateRequest,
     Heartbeat,
     JobBounced,
-    KvEventBatch,
     QueueReportRequest,
     RequestFinished,
     Subjects,
@@ -63,7 +63,6 @@ from splitserve.routing.book import RECENT_ENDS_KEPT
 from splitserve.routing.live import build_policies
 from splitserve.runtime.jetstream import ensure_stream, replicas_for
 from splitserve.runtime.workqueue import WorkQueue
-from splitserve.services.common.resync import resync_index
 from splitserve.services.router.admin import Admin
 from splitserve.services.router.core import Inflight, RouterCore
 from splitserve.services.router.dispatch import Dispatch
@@ -72,11 +71,12 @@ from splitserve.services.router.migration import Migration
 from splitserve.services.router.peers import Peers
 from splitserve.services.router.queued_ends import QueuedEnds
 from splitserve.services.router.shared import RequestRegistry, SharedQuota
+from splitserve.services.router.warmstart import IndexFeed
 
 __all__ = ["RECENT_ENDS_KEPT", "Inflight", "RouterService"]
 
 
-class RouterService(Intake, Dispatch, Migration, QueuedEnds, Peers, Admin, RouterCore):
+class RouterService(Intake, Dispatch, Migration, QueuedEnds, Peers, Admin, IndexFeed, RouterCore):
     role = "router"
 
     async def setup(self) -> None:
@@ -112,7 +112,9 @@ class RouterService(Intake, Dispatch, Migration, QueuedEnds, Peers, Admin, Route
         b = self.b
         await b.subscribe(Subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         await b.subscribe(Subjects.FINISHED_ALL, RequestFinished, self.on_finished, scoped=True)
-        await b.subscribe(Subjects.KV_EVENTS_ALL, KvEventBatch, self.on_kv_events)
+        # First, before intake: the index replica warm-starts from the cache index (bounded; runs within the
+        # registry warm-up below, which counts from _started) and then follows the live KV events.
+        await self.subscribe_kv_events()
         await b.subscribe(Subjects.CANCEL_ALL, CancelRequest, self.on_cancel, scoped=True)
         await b.subscribe(Subjects.BOUNCED_ALL, JobBounced, self.on_bounced, scoped=True)
         self._intake_subs.append(await b.subscribe(Subjects.ADMIN_QUEUES, QueueReportRequest, self.on_queue_report,
@@ -133,6 +135,7 @@ class RouterService(Intake, Dispatch, Migration, QueuedEnds, Peers, Admin, Route
             b.spawn(self._fair_reports())
             b.spawn(self._reconcile_quota())
         await self._registry_warmup()  # "ready" once the worker set is known
+        self.forget_unheard_index_workers()
 
     async def on_heartbeat(self, hb: Heartbeat, _: Msg) -> None:
         now = self.clock()
@@ -150,11 +153,6 @@ class RouterService(Intake, Dispatch, Migration, QueuedEnds, Peers, Admin, Route
             if hb.role == "decode":
                 self._dispatch_wake.set()
         self._worker_change.set()
-
-    async def on_kv_events(self, batch: KvEventBatch, _: Msg) -> None:
-        gap = self.policy.apply_events(batch)
-        if gap:
-            self.b.spawn(resync_index(self.b, self.index, batch.worker_id, self.log))
 
     async def drain(self) -> None:
         # New requests go to the other routers of the queue group (drain() answers what was already

@@ -41,7 +41,10 @@ router     ``ss.prefill.*.job``, ``ss.decode.*.job``, ``ss.decode.*.revoke``    
            CREATE / UPDATE of SS_RESULTS, SS_QUEUE, SS_USAGE, KV_SS_REQUESTS,    ``ss.fair.*``, ``ss.stream.*.*``
            KV_SS_QUOTA, SS_TRACES; STREAM.MSG.GET of SS_QUEUE, SS_USAGE and the
            KV streams (and DIRECT.GET of the KV streams); every CONSUMER call on
-           SS_QUEUE; allow_responses
+           SS_QUEUE; read only, to warm-start its index replica: STREAM.INFO,
+           ordered consumer creation and flow control of SS_KV_EVENTS and
+           OBJ_ss-cache-index, STREAM.MSG.GET of OBJ_ss-cache-index;
+           allow_responses
 decode     ``ss.stream.*.*``, ``ss.result.*.*``, ``ss.evt.finished.*.*``,      ``ss.decode.*.job``,
            ``ss.kv.*``; allow_responses (reserve, revoke, KV resync)            ``ss.decode.*.reserve``,
                                                                                 ``ss.decode.*.kvready``,
@@ -50,10 +53,10 @@ decode     ``ss.stream.*.*``, ``ss.result.*.*``, ``ss.evt.finished.*.*``,      `
 prefill    ``ss.decode.*.reserve`` (request), ``ss.decode.*.kvready``,           ``ss.prefill.*.job``,
            ``ss.evt.bounced.*.*``, ``ss.stream.*.*``, ``ss.result.*.*``,         ``ss.cancel.*``, ``ss.kv.*.held``
            ``ss.evt.finished.*.*``, ``ss.kv.*``; allow_responses (KV resync)
-cache_index ``ss.kv.*.held`` (request), ``$O.ss-cache-index.>``; API: STREAM.INFO  ``ss.hb.>``, ``ss.cache.query``
-           / CREATE / UPDATE of SS_KV_EVENTS and OBJ_ss-cache-index, STREAM.MSG.GET
+cache_index ``ss.kv.*.held`` (request), ``$O.ss-cache-index.>``; API: STREAM.INFO  ``ss.hb.>``, ``ss.cache.query``,
+           / CREATE / UPDATE of SS_KV_EVENTS and OBJ_ss-cache-index, STREAM.MSG.GET  ``ss.admin.cache.stats``
            and PURGE of OBJ_ss-cache-index, STREAM.NAMES, CONSUMER calls and flow
-           control on both; allow_responses (cache queries)
+           control on both; allow_responses (cache queries, cache stats)
 frontend   ``ss.req.*`` (request, for the tenant an API key names),              ``ss.stream.*.*``, ``ss.hb.>``,
            ``ss.cancel.*``, ``ss.admin.queues`` / ``ss.admin.route.explain``     ``ss.evt.finished.>``
            (request: the console); API: DIRECT.GET of SS_RESULTS, STREAM.INFO,
@@ -66,7 +69,8 @@ Streams are created and updated only by the role that owns them: the router (SS_
 KV buckets SS_REQUESTS and SS_QUOTA), the cache index (SS_KV_EVENTS and its object store). The span stream
 SS_TRACES is the exception: every process creates it if it is missing when its tracing starts (whichever pod comes
 up first), so every role may *create* it (a create cannot change a stream that exists); only the router may
-*update* it. What no role may do: publish on ``ss.req.T`` except the
+*update* it. Routers only *read* the cache index's stream and object store (their warm start). Only the operator
+asks ``ss.admin.cache.stats``. What no role may do: publish on ``ss.req.T`` except the
 front door (a decoder cannot inject requests), write ``$KV.*`` except the router, write the queue ``ss.q.>``
 except the router, publish jobs (``ss.*.*.job``) except the router, delete or purge any stream, or read another
 role's inbox.
@@ -174,6 +178,17 @@ def _stored_end_streams() -> tuple[str, ...]:
     return (f"{_JS}.STREAM.INFO.{Subjects.RESULTS_STREAM}", f"{_JS}.STREAM.INFO.{Subjects.USAGE_STREAM}")
 
 
+def _read_only_replay(stream: str) -> tuple[str, ...]:
+    """Replaying a stream once with an ordered consumer bound to it by name (no STREAM.NAMES lookup), and
+    nothing else: no consumer delete (the ephemeral consumer goes with its interest), no write, purge or delete."""
+    return (
+        f"{_JS}.STREAM.INFO.{stream}",  # where the replay stops (last sequence)
+        f"{_JS}.CONSUMER.CREATE.{stream}",  # the ephemeral ordered consumer
+        f"{_JS}.CONSUMER.CREATE.{stream}.>",  # ... with a name and filter subject
+        f"$JS.FC.{stream}.>",  # its flow-control replies
+    )
+
+
 def _ordered_reader(stream: str) -> tuple[str, ...]:
     """Reading a stream with nats-py's ordered consumer (an ephemeral push consumer with flow control)."""
     return (
@@ -216,6 +231,11 @@ ROUTER = Permissions(
         f"{_JS}.CONSUMER.*.{Subjects.QUEUE_STREAM}.>",  # the lanes: create, info, delete
         f"{_JS}.CONSUMER.MSG.NEXT.{Subjects.QUEUE_STREAM}.*",  # fetch from a lane (pull)
         f"{_JS}.CONSUMER.DURABLE.CREATE.{Subjects.QUEUE_STREAM}.*",  # lanes, by the legacy durable API
+        # Warm start of its index replica (splitserve.cache.warmstart), read only: the cache index's snapshot
+        # (object info by message get, chunks by an ordered consumer) and a replay of SS_KV_EVENTS after it.
+        *_read_only_replay(_INDEX_OBJ),
+        f"{_JS}.STREAM.MSG.GET.{_INDEX_OBJ}",  # the snapshot object's metadata
+        *_read_only_replay(KV_EVENTS_STREAM),
     ),
     subscribe=(
         *_common("router")[1],
@@ -296,8 +316,9 @@ CACHE_INDEX = Permissions(
         *_common("cache_index")[1],
         Subjects.HEARTBEAT_ALL,  # drops the blocks of workers that died
         Subjects.CACHE_QUERY,  # prefix queries (request, queue group)
+        Subjects.ADMIN_CACHE_STATS,  # the operator's `splitserve cache stats` (request, queue group)
     ),
-    allow_responses=True,  # answers cache queries
+    allow_responses=True,  # answers cache queries and the operator's cache stats
 )
 
 FRONTEND = Permissions(

@@ -368,6 +368,103 @@ async def test_router_does_its_job(server: NatsServer, admin: NATS, conns: list[
     assert await r.clean(), r.errors
 
 
+async def _cache_index_state(admin: NATS) -> tuple[int, bytes]:
+    """What a running cache index leaves (its event stream with a batch, its snapshot object); returns the
+    stream's message count and the snapshot's bytes, to check that nothing a router tried changed them."""
+    import msgpack
+    from nats.js.errors import NotFoundError
+
+    from splitserve.cache.events import batch, stored
+    from splitserve.cache.index import PrefixIndex
+
+    js = admin.jetstream()
+    await ensure_stream(js, StreamConfig(name=KV_EVENTS_STREAM, subjects=[Subjects.KV_EVENTS_ALL]), 1)
+    try:
+        store = await js.object_store(INDEX_STORE)
+    except NotFoundError:
+        store = await js.create_object_store(INDEX_STORE, config=ObjectStoreConfig(replicas=1))
+    index = PrefixIndex()
+    index.store("decode-0", [1, 2, 3])
+    seq = (await js.stream_info(KV_EVENTS_STREAM)).state.last_seq
+    snapshot = msgpack.packb({"stream_seq": seq, "index": index.snapshot()})
+    await store.put("snapshot", snapshot)
+    await js.publish(Subjects.kv_events("decode-0"),
+                     proto.encode(batch("decode-0", 0, [stored([7, 8], block_size=16)])))
+    return (await js.stream_info(KV_EVENTS_STREAM)).state.messages, snapshot
+
+
+async def test_router_warm_starts_its_index_from_the_cache_index(server: NatsServer, admin: NATS,
+                                                                 conns: list[Conn]) -> None:
+    """The router's warm start (splitserve.cache.warmstart) with the router's own rights: the snapshot and a
+    replay of SS_KV_EVENTS, and not one refusal."""
+    from splitserve.cache.index import PrefixIndex
+    from splitserve.cache.warmstart import WarmStart
+
+    await _cache_index_state(admin)
+    r = await _as(server, conns, "router")
+    replica = PrefixIndex()
+    warm = WarmStart(r.nc, replica.apply, replica.restore)
+
+    async def live() -> None:
+        await r.nc.subscribe(Subjects.KV_EVENTS_ALL)
+        await r.nc.flush()
+
+    rep = await warm.run(live, 5.0)
+    assert rep.skipped is None and rep.complete and rep.snapshot_seq is not None and rep.replayed >= 1, rep
+    assert replica.lookup([1, 2, 3]) == {"decode-0": 3} and replica.lookup([7, 8]) == {"decode-0": 2}
+    assert await r.clean(), r.errors
+
+
+async def test_router_cannot_write_purge_or_delete_the_cache_index(server: NatsServer, admin: NATS,
+                                                                   conns: list[Conn]) -> None:
+    """Reading the cache index's stream and object store is all a router may do with them: no put, delete or
+    purge of the snapshot, no purge, update or delete of the event stream or its messages, no deleting the
+    cache index's consumers, and no reading of streams it could not read before (the rights are bound to
+    those two streams by name: no STREAM.NAMES, no consumer on SS_RESULTS / SS_USAGE / SS_TRACES)."""
+    import nats.errors
+
+    messages, snapshot = await _cache_index_state(admin)
+    r = await _as(server, conns, "router")
+    obj = f"OBJ_{INDEX_STORE}"
+    for subject in (f"$JS.API.STREAM.DELETE.{KV_EVENTS_STREAM}", f"$JS.API.STREAM.PURGE.{KV_EVENTS_STREAM}",
+                    f"$JS.API.STREAM.UPDATE.{KV_EVENTS_STREAM}", f"$JS.API.STREAM.MSG.DELETE.{KV_EVENTS_STREAM}",
+                    f"$JS.API.CONSUMER.DELETE.{KV_EVENTS_STREAM}.c1", f"$JS.API.STREAM.DELETE.{obj}",
+                    f"$JS.API.STREAM.PURGE.{obj}", f"$JS.API.STREAM.UPDATE.{obj}", f"$JS.API.STREAM.MSG.DELETE.{obj}",
+                    f"$JS.API.CONSUMER.DELETE.{obj}.c1", f"$O.{INDEX_STORE}.C.x", f"$O.{INDEX_STORE}.M.x",
+                    "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST", f"$JS.API.CONSUMER.CREATE.{Subjects.RESULTS_STREAM}",
+                    f"$JS.API.CONSUMER.CREATE.{Subjects.USAGE_STREAM}", f"$JS.API.CONSUMER.CREATE.{TRACES_STREAM}",
+                    f"$JS.API.STREAM.MSG.GET.{Subjects.RESULTS_STREAM}", f"$JS.API.STREAM.MSG.GET.{KV_EVENTS_STREAM}",
+                    f"$JS.API.DIRECT.GET.{KV_EVENTS_STREAM}.ss.kv.decode-0", Subjects.ADMIN_CACHE_STATS):
+        assert await r.publish_refused(subject), subject
+    # The same through the client's own calls: each one refused, and the state is as it was.
+    js = r.nc.jetstream(timeout=1.0)
+    store = await js.object_store(INDEX_STORE)  # reading the store's info is allowed
+    for attempt in (store.put("snapshot", b"poisoned"), store.delete("snapshot"), js.purge_stream(KV_EVENTS_STREAM),
+                    js.delete_stream(KV_EVENTS_STREAM), js.delete_stream(obj)):
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+            await attempt
+    ajs = admin.jetstream()
+    assert (await ajs.stream_info(KV_EVENTS_STREAM)).state.messages == messages
+    assert (await (await ajs.object_store(INDEX_STORE)).get("snapshot")).data == snapshot
+
+
+async def test_only_the_operator_asks_for_cache_stats(server: NatsServer, admin: NATS, conns: list[Conn]) -> None:
+    ci = await _as(server, conns, "cache_index")
+
+    async def answer(msg: Msg) -> None:
+        await msg.respond(b"stats")
+
+    await ci.nc.subscribe(Subjects.ADMIN_CACHE_STATS, queue="cache_index", cb=answer)
+    await ci.nc.flush()
+    assert (await admin.request(Subjects.ADMIN_CACHE_STATS, b"{}", timeout=5)).data == b"stats"
+    assert await ci.clean(), ci.errors
+    for role in ("router", "decode", "prefill", "frontend"):
+        c = await _as(server, conns, role)
+        assert await c.publish_refused(Subjects.ADMIN_CACHE_STATS), role
+    t = await _as(server, conns, tenant="A")
+    assert await t.publish_refused(Subjects.ADMIN_CACHE_STATS)
+
+
 # -------------------------------------------------------------------------------------------------- admin
 
 
