@@ -127,6 +127,7 @@ class ExplainBody(BaseModel):
     session_id: str | None = Field(default=None, max_length=256)
     tenant: str = "default"
     strategies: list[str] | None = Field(default=None, max_length=MAX_EXPLAIN_STRATEGIES)
+    model: str | None = Field(default=None, max_length=256)  # a served model or adapter (None: the default)
 
     @model_validator(mode="after")
     def _utf8(self) -> ExplainBody:
@@ -239,7 +240,8 @@ def console_router(data: ConsoleData, auth: ConsoleAuth) -> tuple[APIRouter, API
             raise HTTPException(400, str(exc)) from None
         out: dict[str, Any] = await nats_call(data.explain(prompt=body.prompt, chat=body.chat,
                                                            session_id=body.session_id or None, tenant=tenant,
-                                                           strategies=body.strategies or None))
+                                                           strategies=body.strategies or None,
+                                                           model=body.model or None))
         return out
 
     async def lora_change(body: LoraBody, action: str) -> JSONResponse:

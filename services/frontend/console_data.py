@@ -290,8 +290,8 @@ class ConsoleData:
         return await ops.lora_admin(self.nc(), req, expected=len(targets))
 
     async def explain(self, *, prompt: str, chat: bool, session_id: str | None, tenant: str,
-                      strategies: list[str] | None) -> dict[str, Any]:
-        req = RouteExplainRequest(tenant=tenant, session_id=session_id, strategies=strategies,
+                      strategies: list[str] | None, model: str | None = None) -> dict[str, Any]:
+        req = RouteExplainRequest(tenant=tenant, session_id=session_id, strategies=strategies, model=model,
                                   **({"messages": [ChatMessage(role="user", content=prompt)]} if chat
                                      else {"prompt": prompt}))
         return (await ops.route_explain(self.nc(), req)).model_dump(mode="json")

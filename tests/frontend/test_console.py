@@ -273,3 +273,22 @@ def test_history_stays_aligned_as_workers_come_and_go() -> None:
     h = data.cluster()["history"]
     assert h["t"] == [1.0, 2.0, 3.0]
     assert h["workers"]["d1"]["active"] == [None, 3, 3] and h["workers"]["d0"]["active"] == [1, 1, None]
+
+
+async def test_the_route_explorer_asks_about_the_model_it_names(http: httpx2.AsyncClient, nc: Any) -> None:
+    from splitserve.proto.admin import RouteExplainReply, RouteExplainRequest
+
+    asked: list[RouteExplainRequest] = []
+
+    async def on_explain(msg: Any) -> None:
+        asked.append(proto.decode(msg.data, RouteExplainRequest))
+        await msg.respond(proto.encode(RouteExplainReply(router_id="router-0", prompt_tokens=1, block_size=16,
+                                                         live_strategy="kvaware", policy={}, workers=[],
+                                                         results=[])))
+
+    await nc.subscribe(Subjects.ADMIN_ROUTE_EXPLAIN, cb=on_explain)
+    adm = as_(ADMIN)
+    for body, want in (({"prompt": "hi", "model": "smollm2/26l"}, "smollm2/26l"), ({"prompt": "hi"}, None)):
+        r = await http.post("/console/api/explain", headers=adm, json=body)
+        assert r.status_code == 200, r.text
+        assert asked[-1].model == want

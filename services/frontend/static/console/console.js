@@ -314,7 +314,8 @@ async function explain(ev) {
   try {
     r = await api("/explain", { method: "POST", headers: { "Content-Type": "application/json" },
       body: JSON.stringify({ prompt: $("explain-prompt").value, chat: $("explain-chat").checked,
-        session_id: $("explain-session").value || null, tenant: $("explain-tenant").value || "default" }) });
+        session_id: $("explain-session").value || null, tenant: $("explain-tenant").value || "default",
+        model: $("explain-model").value || null }) });
   } catch (e) {
     out.replaceChildren(el("p", { class: "error" }, e.message));
     return;
