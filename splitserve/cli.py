@@ -45,7 +45,8 @@ def _version(value: bool) -> None:
 def _main(_: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                  help="print the version and exit")) -> None:
     """Exit codes: 0 success, 1 a runtime failure (the stack, the request, the server said no), 2 a usage
-    error (a bad flag or value, as Click reports it), 3 `result`: the job is still running."""
+    error (a bad flag or value, as Click reports it), 3 `result`: the job is still running; `sim what-if`: the
+    change is refused."""
     from splitserve.obs.log import configure_client_logging
 
     configure_client_logging()
@@ -454,16 +455,28 @@ def _top_table(snap: dict, url: str):  # type: ignore[no-untyped-def, type-arg]
     return Group(w, t)
 
 
+OPERATOR_CONNECT_S = 6.0  # how long an operator command tries to reach NATS before it says it cannot
+
+
 async def _operator_nc(nats_url: str | None) -> Any:
     import nats as nats_client
 
     url = discovery.resolve_nats_url(nats_url)
+    last: list[Exception] = []
+
+    async def on_error(exc: Exception) -> None:  # nats-py would print each failed attempt's traceback
+        last[:] = [exc]
+
     try:
         user, password = _operator_creds(url)
-        return await nats_client.connect(discovery.server_list(url), connect_timeout=3, max_reconnect_attempts=0,
-                                         user=user, password=password)
+        # nats-py retries the first connect for ever unless max_reconnect_attempts is positive (0 is no limit
+        # there): bound it here, and keep reconnecting once connected (`queues --watch` outlives a NATS restart)
+        return await asyncio.wait_for(nats_client.connect(
+            discovery.server_list(url), connect_timeout=3, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+            user=user, password=password, error_cb=on_error), OPERATOR_CONNECT_S)
     except Exception as exc:
-        raise errors.Unavailable(f"cannot connect to NATS at {url}: {exc}") from None
+        why = last[0] if isinstance(exc, TimeoutError) and last else exc
+        raise errors.Unavailable(f"cannot connect to NATS at {url}: {why or type(why).__name__}") from None
 
 
 def _run_operator(coro: Any) -> None:
