@@ -12,7 +12,8 @@ measurements or from this machine, KV capacity and eviction, a KV-transfer model
 
 Modules: ``clock`` (event loop), ``workload`` (traces, synthetic mixes), ``latency`` (step-time models),
 ``fabric`` (KV bytes per token, transfer time), ``workers`` (engines, KV pools, prefix caches, KV events),
-``cluster`` (the driver), ``metrics``, ``planner`` (sweeps for the cheapest configuration), ``plots``.
+``cluster`` (the driver), ``metrics``, ``planner`` (sweeps for the cheapest configuration), ``plots``,
+``whatif`` (a change to the tenants or the pools, simulated before and after against each tenant's SLO).
 Several models and LoRA adapters: ``SimConfig(pools=[ModelPool(...)])`` with ``assign_models`` /
 ``assign_adapters`` on the requests (see docs/models.md, "In the simulator").
 """

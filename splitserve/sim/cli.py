@@ -3,6 +3,12 @@
     splitserve sim run  --trace azure-conv --limit 2000 --rate-factor 4 --prefill 2 --decode 6 [--plots DIR] [--json]
     splitserve sim plan --trace mooncake --limit 1000 --sizes 2-8 --ttft-slo 2 --tpot-slo 0.1 [--json]
 
+    splitserve sim what-if --tenants T.yaml --change C.yaml --trace mooncake --prefill 2 --decode 6 [--json]
+
+``what-if`` (:mod:`splitserve.sim.whatif`) simulates the trace before and after a change to the tenants (a new
+tenant, new SLO targets or weights) or the pools and says whether every tenant's SLO still holds: exit 0 accepted,
+3 refused, 2 a usage error.
+
 Several models and LoRA adapters (``run``): ``--models a:2:6,b:1:3`` (one pool per model: name:prefill:decode;
 then --prefill/--decode are unused) with ``--mix a=0.7,b=0.3`` (each request's model, seeded; default: equal),
 and ``--adapters 64 --zipf 1.1 --adapter-share 0.8`` (that share of requests for one of 64 adapters of its model,
@@ -391,3 +397,99 @@ def plan_cmd(
                        f"{bb['strategy']}, threshold {bb['disagg_threshold']}: goodput {bb['goodput_rps']:.3f} req/s")
     if p.best is None:
         raise typer.Exit(1)
+
+
+@sim_app.command("what-if")
+def whatif_cmd(
+    tenants: str = typer.Option(..., "--tenants", help="the current tenants file (weights, limits, slo targets)"),
+    change: str = typer.Option(..., "--change", help="the proposed change (YAML: add_tenant, set_tenant, pools, "
+                               "traffic; see splitserve.sim.whatif)"),
+    trace: str = typer.Option(..., "--trace", help="mooncake | azure-conv | azure-code | sharegpt | a .jsonl/.csv "
+                              "file"),
+    prefill: int = typer.Option(1, "--prefill", min=0, help="the current prefill workers (0: colocated)"),
+    decode: int = typer.Option(1, "--decode", min=0, help="the current decode workers"),
+    as_json: bool = typer.Option(False, "--json"),
+    limit: int | None = LimitOpt,
+    rate_factor: float = typer.Option(1.0, "--rate-factor", "--rate-scale", help="multiply the trace's arrival rate"),
+    rate: float = RateOpt, model: str = ModelOpt, latency: str = LatencyOpt,
+    decode_latency: str | None = DecodeLatencyOpt, tp: int = TpOpt, fabric: str = FabricOpt,
+    kv_tokens: int | None = KvOpt, max_seqs: int = MaxSeqsOpt, chunked: bool = ChunkOpt, strategy: str = StrategyOpt,
+    disagg_threshold: int = ThresholdOpt, max_stall_ms: float = StallOpt, long_decode: int = LongOpt,
+    seed: int = SeedOpt,
+) -> None:
+    """Would a change (a new tenant, a new contract, the pools resized) keep every tenant's SLO? Simulates the trace
+    before and after it and prints each tenant's TTFT / ITL against its slo targets. Exit 0: accepted, 3: refused
+    (a tenant that held its SLO before would not), 2: a usage error."""
+    import time
+
+    from splitserve.sim.whatif import WhatIfError, load_change, what_if
+    from splitserve.tenancy.config import load_tenants
+
+    b = _base(trace, limit, rate_factor, rate, model, latency, decode_latency, tp, fabric, kv_tokens, max_seqs,
+              chunked, strategy, disagg_threshold, max_stall_ms, long_decode, None, 1.0, 0.1, 0.9, seed)
+    if decode + long_decode < 1:
+        _fail("the cluster needs at least one decoder (--decode or --long-decode)")
+    try:
+        current = load_tenants(tenants)
+        proposed = load_change(change)
+    except ValueError as exc:  # WhatIfError included
+        _fail(str(exc))
+    reqs = _load(b)
+    cfg = _config(b, prefill, decode)
+    t0 = time.perf_counter()
+    try:
+        w = what_if(cfg, current, proposed, reqs)
+    except WhatIfError as exc:
+        _fail(str(exc))
+    except (ValueError, OSError) as exc:  # the simulator's own config checks
+        _fail(str(exc))
+    if as_json:
+        typer.echo(json.dumps(w.to_dict(), default=float))
+    else:
+        _print_whatif(w.to_dict(), time.perf_counter() - t0)
+    raise typer.Exit(w.exit_code)
+
+
+def _n(v: float | None, fmt: str = ".1f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _print_whatif(w: dict[str, Any], wall_s: float) -> None:
+    c, rb, ra = w["change"], w["runs"]["before"], w["runs"]["after"]
+    what = [f"add {a['name']} ({a['requests']} requests)" for a in c["add_tenant"]]
+    what += [f"set {s['name']} ({', '.join(s['fields'])})" for s in c["set_tenant"]]
+    if c["pools"]:
+        what.append(f"pools {rb['prefill']}P:{rb['decode']}D -> {ra['prefill']}P:{ra['decode']}D")
+    typer.echo(f"what-if: {'; '.join(what)}")
+    for label, r in (("before", rb), ("after", ra)):
+        typer.echo(f"  {label:<6} {r['prefill']}P:{r['decode']}D ({r['gpus']} GPUs): {r['requests']} requests, "
+                   f"finished {r['finished']}, refused {r['refused']}, failed {r['failed']}; "
+                   f"utilisation prefill {r['utilisation']['prefill']:.0%} decode {r['utilisation']['decode']:.0%}")
+    typer.echo(f"{'tenant':<18} {'run':<6} {'reqs':>5} {'done':>5} {'refused':>7} {'req/s':>7} {'TTFT p50':>9} "
+               f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}  {'SLO TTFT/ITL p99':>16}  holds")
+    for row in w["tenants"]:
+        name = row["tenant"] + ("" if row["status"] == "same" else f" ({row['status']})")
+        if len(name) > 18:  # keep the columns; the name gets a line of its own
+            typer.echo(name)
+            name = ""
+        for label in ("before", "after"):
+            r, slo = row[label], row[f"slo_{label}"]
+            if r is None:
+                continue
+            target = "-" if slo is None else f"{_n(slo['ttft_p99_ms'], 'g')}/{_n(slo['itl_p99_ms'], 'g')}"
+            miss = row["breaks"] if label == "after" and row["breaks"] else r["misses"]  # a break says why
+            held = "NO: " + "; ".join(miss) if miss else "yes"
+            typer.echo(f"{name:<18} {label:<6} {r['requests']:>5} {r['finished']:>5} {r['refused']:>7} "
+                       f"{r['throughput_rps']:>7.3f} {_n(r['ttft_p50_ms']):>9} {_n(r['ttft_p99_ms']):>9} "
+                       f"{_n(r['itl_p50_ms']):>8} {_n(r['itl_p99_ms']):>8}  {target:>16}  {held}")
+            name = ""
+    typer.echo("(latencies in ms; SLO targets from the tenants file, '-': none)")
+    for t in w["already_failing"]:
+        typer.echo(f"note: {t} already missed its SLO before the change (not held against it)")
+    if w["verdict"] == "accepted":
+        typer.echo(f"verdict: ACCEPTED - every tenant that held its SLO before still holds after "
+                   f"(2 simulations, {wall_s:.1f} s)")
+    else:
+        typer.echo(f"verdict: REFUSED - {len(w['breaks'])} tenant(s) would break (2 simulations, {wall_s:.1f} s):")
+        for br in w["breaks"]:
+            typer.echo(f"  {br['summary']}")

@@ -108,6 +108,7 @@ class SimConfig:
     long_prompt_tokens: int = 2048
     queue: bool = True  # False: dispatch at intake (the service's --no-queue)
     tenants_file: str | None = None
+    tenants: TenantsConfig | None = None  # a parsed tenants file (the what-if's); takes precedence over tenants_file
     heartbeat_s: float = 0.5
     bus_delay_s: float = 0.0005
     # SLO
@@ -125,6 +126,8 @@ class SimConfig:
 
     def describe(self) -> dict[str, Any]:
         d = asdict(self)
+        if self.tenants is not None:  # names only: a tenants file holds credentials
+            d["tenants"] = sorted(self.tenants.tenants)
         for k in ("prefill_latency", "decode_latency"):
             v = getattr(self, k)
             d[k] = v.name if isinstance(v, StepFit) else v
@@ -231,7 +234,10 @@ class Sim:
                          replace(self.disagg, min_uncached_tokens=mp.disagg_threshold))
                for mp in (cfg.pools or []) if mp.strategy is not None or mp.disagg_threshold is not None}
         self.router = build_policies(cfg.strategy, self.disagg, self.index, cfg.long_prompt_tokens, own)
-        self.tenants = load_tenants(cfg.tenants_file) if cfg.tenants_file else TenantsConfig.open_mode()
+        if cfg.tenants is not None:
+            self.tenants = cfg.tenants
+        else:
+            self.tenants = load_tenants(cfg.tenants_file) if cfg.tenants_file else TenantsConfig.open_mode()
         self.quota = QuotaBook(self.tenants)
         self.fair = FairScheduler(self.tenants.weight)
         # heartbeat-derived state, in the live registry's order (decoders, then prefillers; first heard first)

@@ -87,6 +87,10 @@ class SimRequest:
     their tenant's cache salt, as the live router does without a tenants file (tenants never share cached
     prefixes); Mooncake rows have no tenant of their own (all "default") and keep the trace's id space.
 
+    ``cache_scope`` (None: as just said) is the cache salt the live router would give the request under a tenants
+    file (``TenantsConfig.cache_salt``): it roots both kinds of prompt, so tenants (or cache groups) never share
+    blocks, Mooncake rows included (the what-if sets it: :mod:`.whatif`).
+
     ``model`` (None: the cluster's default) and ``lora`` (None: the base model) say what serves it. The cluster
     passes ``hashes`` the model to scope the prefix cache to (model, ``lora``) when the live router would (several
     models, or an adapter); unscoped hashes are those of a single-model cluster."""
@@ -102,6 +106,7 @@ class SimRequest:
     kind: str = ""  # a label for reports (e.g. "long" / "short" in the RAG mix)
     model: str | None = None
     lora: str | None = None
+    cache_scope: str | None = None
     _hashes: list[int] | None = field(default=None, repr=False)
     _hash_bs: int = field(default=0, repr=False)
     _hash_scope: str | None = field(default=None, repr=False)
@@ -112,7 +117,7 @@ class SimRequest:
         if self._hashes is not None and self._hash_bs == block_size and self._hash_scope == scope_model:
             return self._hashes
         if self.token_ids is not None:
-            salt = _OPEN.cache_salt(self.tenant)
+            salt = self.cache_scope or _OPEN.cache_salt(self.tenant)
             if scope_model is not None:
                 salt = scoped_salt(salt, scope_model, self.lora)
             out = hash_token_blocks(self.token_ids, block_size, cache_salt=salt)
@@ -122,7 +127,12 @@ class SimRequest:
             full = self.prompt_tokens // block_size  # a trailing partial block is never hashed
             per = MOONCAKE_BLOCK_TOKENS // block_size
             # the trace's own chain root, scoped the way a token prompt's salt is
-            parent = None if scope_model is None else root_hash(scoped_salt("mooncake", scope_model, self.lora))
+            # (and under ``cache_scope``, the tenant's salt, when one is set)
+            base = self.cache_scope or "mooncake"
+            if scope_model is not None:
+                parent: int | None = root_hash(scoped_salt(base, scope_model, self.lora))
+            else:
+                parent = None if self.cache_scope is None else root_hash(base)
             out = mooncake_block_hashes(self.hash_ids[: -(-full // per)], block_size, parent=parent)[:full]
         else:
             out = []

@@ -8,6 +8,7 @@ from splitserve.tenancy.config import (
     MAX_REQUEST_CACHE_SALT,
     TenantLimits,
     TenantsConfig,
+    TenantSlo,
     TenantSpec,
     combine_cache_salt,
     load_tenants,
@@ -16,6 +17,7 @@ from splitserve.tenancy.config import (
 __all__ = [
     "MAX_REQUEST_CACHE_SALT",
     "TenantLimits",
+    "TenantSlo",
     "TenantSpec",
     "TenantsConfig",
     "combine_cache_salt",

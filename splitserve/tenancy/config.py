@@ -14,10 +14,16 @@ limits, and how each tenant authenticates to NATS (and to the HTTP front door).
         api_keys: ["sk-search-1"]   # bearer keys the HTTP front door maps to this tenant
         max_inflight: 200
         cache_group: shared-prompts  # optional: tenants naming the same group share cached prefixes
+        slo: {ttft_p99_ms: 800, itl_p99_ms: 60}  # optional latency targets (also under defaults:)
       batch-jobs: {}
 
 A limit left out (or null) means unlimited. Without a tenants file the cluster runs open: any tenant name,
 the default limits, no NATS authentication.
+
+SLO targets (``slo:``, :class:`TenantSlo`): the p99 time to first token and p99 inter-token latency a tenant is
+promised, each optional; a tenant's own targets override the defaults' one by one. The live router and workers do
+nothing with them yet: only ``splitserve sim what-if`` (:mod:`splitserve.sim.whatif`) checks a proposed change
+against them.
 
 Prefix-cache isolation: every cached KV block is keyed by a cache salt (the root of its hash chain, see
 :mod:`splitserve.cache.hashing`), and :meth:`TenantsConfig.cache_salt` gives each request its salt. By default
@@ -39,6 +45,23 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from splitserve.proto.subjects import check_token
 
 
+class TenantSlo(BaseModel):
+    """A tenant's latency targets, in milliseconds, each optional (None: no target): p99 time to first token and
+    p99 inter-token latency over its requests. Only ``splitserve sim what-if`` reads them today (nothing in the
+    live path enforces or reports against them). Strict numbers: ``true`` or ``"800"`` is a mistake, not 1 ms."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttft_p99_ms: float | None = Field(default=None, gt=0.0, allow_inf_nan=False, strict=True)
+    itl_p99_ms: float | None = Field(default=None, gt=0.0, allow_inf_nan=False, strict=True)
+
+    def merged(self, own: TenantSlo | None) -> TenantSlo | None:
+        """These targets (the defaults') overridden by the ones ``own`` sets (an explicit null drops one);
+        None when no target is left."""
+        out = self if own is None else self.model_copy(update=own.model_dump(exclude_unset=True))
+        return out if out.ttft_p99_ms is not None or out.itl_p99_ms is not None else None
+
+
 class TenantLimits(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -51,6 +74,8 @@ class TenantLimits(BaseModel):
     # Bytes of requests per second one router reads from the tenant before decoding them (unset: 16 MiB/s):
     # ``splitserve.tenancy.intake_rate``.
     request_bytes_per_s: int | None = Field(default=None, ge=1024)
+    # Latency targets (TenantSlo). Informational for the live product: only ``splitserve sim what-if`` uses them.
+    slo: TenantSlo | None = None
 
 
 # The longest request ``cache_salt`` accepted on the wire (vLLM allows 128 characters; OpenAI sets no bound).
@@ -98,7 +123,8 @@ class TenantSpec(TenantLimits):
         return None if v is None else check_token(v, "cache_group")
 
 
-_LIMIT_FIELDS = tuple(TenantLimits.model_fields)
+# ``slo`` is merged target by target (``limits``), not replaced whole as a limit is.
+_LIMIT_FIELDS = tuple(f for f in TenantLimits.model_fields if f != "slo")
 
 
 class TenantsConfig(BaseModel):
@@ -132,7 +158,15 @@ class TenantsConfig(BaseModel):
         if spec is None:
             return self.defaults if self.open else None
         own = spec.model_dump(include=set(_LIMIT_FIELDS), exclude_unset=True)
+        if spec.slo is not None or self.defaults.slo is not None:
+            base = self.defaults.slo or TenantSlo()
+            own["slo"] = base.merged(spec.slo)
         return self.defaults.model_copy(update=own)
+
+    def slo(self, tenant: str) -> TenantSlo | None:
+        """A tenant's effective latency targets (its own over the defaults', target by target); None: none."""
+        lim = self.limits(tenant)
+        return lim.slo if lim is not None else None
 
     def weight(self, tenant: str) -> float:
         lim = self.limits(tenant)
