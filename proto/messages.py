@@ -301,6 +301,9 @@ class DecodeJob(Message, TenantRequest):
     # The LoRA adapter the prompt and the tokens are computed with (None: the base model); the prefiller applies
     # the same one. Added in v1 with a default.
     lora: str | None = Field(default=None, max_length=256)
+    # The tenant's fair-share weight (tenants file): a prefiller serves its waiting prompts by weighted tokens
+    # between tenants (splitserve.tenancy.fairqueue). Added in v1 with a default.
+    weight: float = Field(default=1.0, gt=0.0, le=1e6, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _own_subject(self) -> DecodeJob:

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any
@@ -65,6 +64,7 @@ from splitserve.services.common.engine_thread import EngineThread
 from splitserve.services.common.kvcache import KvEventPublisher, kv_layout
 from splitserve.services.common.options import EngineOptions
 from splitserve.services.common.sampling import engine_sampling, wire_logprob
+from splitserve.tenancy.fairqueue import FairQueue
 
 # Prompts shorter than this are pushed in one piece after prefill (see _run).
 LAYERWISE_MIN_TOKENS = 256
@@ -189,7 +189,10 @@ class PrefillService(Service):
         self.kv_events: KvEventPublisher | None = None
         self.staging_tokens = staging_tokens
         self.reserve_wait_s = reserve_wait_s
-        self.queue: deque[tuple[PrefillJob, dict[str, str]]] = deque()
+        # Waiting jobs, served by weighted tokens between tenants (FIFO within one): a tenant's flood of long
+        # prompts does not sit in front of everyone else's prefill. Weights come with the jobs (the routers').
+        self._weights: dict[str, float] = {}
+        self.queue: FairQueue[tuple[PrefillJob, dict[str, str]]] = FairQueue(lambda t: self._weights.get(t, 1.0))
         self.current: DecodeJob | None = None
         self.busy_s = {"prefill": 0.0}  # seconds computing since start: its requests' StageCost.prefill_s sum to it
         self.batching: list[DecodeJob] = []  # the jobs of a batched prefill in progress
@@ -279,23 +282,24 @@ class PrefillService(Service):
     async def on_cancel(self, c: CancelRequest, _: Msg) -> None:
         # Only a queued job is dropped here; one being computed finishes its push and the decoder, which
         # also saw the cancel, frees the landing blocks and sends the final message.
-        for item in list(self.queue):
-            job = item[0].decode
-            if job.key == c.key:
-                self.queue.remove(item)
-                usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(job.resume_token_ids))
-                await self.b.publish(job.stream_subject, StreamFinal(
-                    request_id=job.request_id, seq=job.start_seq, token_ids=job.resume_token_ids,
-                    text=job.resume_text, finish_reason="cancelled",
-                    usage=usage, route=job.route, prefill_worker=self.worker_id, decode_worker=job.decoder_id,
-                    decision=job.decision, model=self.model_name))
-                await self.b.publish(Subjects.finished(job.tenant, job.request_id), RequestFinished(
-                    request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id, status="cancelled",
-                    usage=usage, route=job.route, model=self.model_name, lora=job.lora))
-                return
+        gone = self.queue.remove(lambda it: it[0].decode.key == c.key)  # (a re-sent copy too: one answer)
+        if not gone:
+            return
+        job = gone[0][0].decode
+        usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(job.resume_token_ids))
+        await self.b.publish(job.stream_subject, StreamFinal(
+            request_id=job.request_id, seq=job.start_seq, token_ids=job.resume_token_ids,
+            text=job.resume_text, finish_reason="cancelled",
+            usage=usage, route=job.route, prefill_worker=self.worker_id, decode_worker=job.decoder_id,
+            decision=job.decision, model=self.model_name))
+        await self.b.publish(Subjects.finished(job.tenant, job.request_id), RequestFinished(
+            request_id=job.request_id, tenant=job.tenant, worker_id=self.worker_id, status="cancelled",
+            usage=usage, route=job.route, model=self.model_name, lora=job.lora))
 
     async def on_job(self, job: PrefillJob, msg: Msg) -> None:
-        self.queue.append((job, dict(msg.headers or {})))
+        d = job.decode
+        self._weights[d.tenant] = d.weight
+        self.queue.push(d.tenant, len(d.context_token_ids()), (job, dict(msg.headers or {})))
         self._wake.set()
 
     async def _loop(self) -> None:
@@ -304,7 +308,7 @@ class PrefillService(Service):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            job, headers = self.queue.popleft()
+            job, headers = self.queue.pop()
             group = self._take_batch(job)
             if group:
                 self.batching = [job.decode] + [j.decode for j, _ in group]
@@ -341,12 +345,12 @@ class PrefillService(Service):
         lengths = [len(first.decode.context_token_ids())]
         blocks = self.layout.blocks_for_tokens(lengths[0])
         group: list[tuple[PrefillJob, dict[str, str]]] = []
-        while self.queue and len(group) + 1 < self.prefill_batch and self._short(self.queue[0][0].decode):
-            n = len(self.queue[0][0].decode.context_token_ids())
+        while self.queue and len(group) + 1 < self.prefill_batch and self._short(self.queue.peek()[0].decode):
+            n = len(self.queue.peek()[0].decode.context_token_ids())
             need = self.layout.blocks_for_tokens(n)
             if max(*lengths, n) * (len(lengths) + 1) > PREFILL_BATCH_TOKENS or blocks + need > self.pool.num_blocks:
                 break
-            group.append(self.queue.popleft())
+            group.append(self.queue.pop())
             lengths.append(n)
             blocks += need
         return group

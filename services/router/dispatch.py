@@ -300,7 +300,7 @@ class Dispatch(RouterCore):
             deadline_ms=req.deadline_ms,
             # the policy knows the request by its key (tenant.id); the caller by its id
             decision={**decision.to_dict(), "request_id": req.request_id, "router": self.worker_id},
-            stream=req.stream, cache_salt=salt, lora=req.lora,
+            stream=req.stream, cache_salt=salt, lora=req.lora, weight=self.tenants.weight(req.tenant),
         )
         charge = len(ids) + req.sampling.max_tokens
         inf = Inflight(request_id=req.request_id, tenant=req.tenant, stream_subject=req.stream_subject,

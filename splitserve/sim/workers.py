@@ -38,6 +38,8 @@ from splitserve.cache.events import KvEvent, KvEventBatch, batch, removed, store
 from splitserve.proto import WorkerLoad, request_key
 from splitserve.routing.adapter_lru import AdapterLru
 from splitserve.routing.load import decoder_load, prefiller_load
+from splitserve.tenancy.config import TenantsConfig
+from splitserve.tenancy.fairqueue import FairQueue
 
 if TYPE_CHECKING:
     from splitserve.sim.clock import EventLoop
@@ -244,6 +246,7 @@ class Cluster(Protocol):
     """What a worker needs from the simulation around it (implemented by :class:`splitserve.sim.cluster.Sim`)."""
 
     loop: EventLoop
+    tenants: TenantsConfig  # the weights a prefiller's fair queue serves by
 
     def publish_kv(self, batch: KvEventBatch) -> None: ...
     def account(self, w: object, start: float, dur: float) -> None: ...
@@ -260,7 +263,8 @@ class PrefillWorker(_Worker):
     def __init__(self, wid: str, model: StepFit, kv_blocks: int, block_size: int, ctx: Cluster, *,
                  token_budget: int = 8192, kv_bytes_per_token: int = 0) -> None:
         super().__init__(wid, model, kv_blocks, block_size, ctx)
-        self.q: deque[Seq] = deque()
+        # waiting prompts, served by weighted tokens between tenants as the live prefiller serves them
+        self.q: FairQueue[Seq] = FairQueue(lambda t: ctx.tenants.weight(t))
         self.batch: list[Seq] = []
         self.token_budget = token_budget
         self.kv_bpt = kv_bytes_per_token
@@ -272,7 +276,7 @@ class PrefillWorker(_Worker):
         s.cached_tokens = min(hit * self.bs, s.req.prompt_tokens - 1)
         s.todo = s.req.prompt_tokens - s.cached_tokens
         self.queued_tokens += s.todo
-        self.q.append(s)
+        self.q.push(s.req.tenant, s.todo, s)
         if not self.busy:
             self._step(None)
 
@@ -287,10 +291,10 @@ class PrefillWorker(_Worker):
             return
         lru = self.lru
         if lru is None:
-            batch = [self.q.popleft()]
+            batch = [self.q.pop()]
             tokens = batch[0].todo
-            while self.q and tokens + self.q[0].todo <= self.token_budget:
-                s = self.q.popleft()
+            while self.q and tokens + self.q.peek().todo <= self.token_budget:
+                s = self.q.pop()
                 tokens += s.todo
                 batch.append(s)
         else:
@@ -312,11 +316,11 @@ class PrefillWorker(_Worker):
         adapters loaded; and its tokens."""
         q = self.q
         held: set[str] = set()  # nothing runs between batches: the first prompt's adapter always fits
-        first = q.popleft()
+        first = q.pop()
         self._lora_admit(lru, first, held)
         batch, tokens = [first], first.todo
-        while q and tokens + q[0].todo <= self.token_budget and lru.can_admit(q[0].req.lora, held):
-            s = q.popleft()
+        while q and tokens + q.peek().todo <= self.token_budget and lru.can_admit(q.peek().req.lora, held):
+            s = q.pop()
             self._lora_admit(lru, s, held)
             tokens += s.todo
             batch.append(s)
