@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -479,14 +480,36 @@ async def _operator_nc(nats_url: str | None) -> Any:
         raise errors.Unavailable(f"cannot connect to NATS at {url}: {why or type(why).__name__}") from None
 
 
-def _run_operator(coro: Any) -> None:
+def _run_operator(coro: Any) -> Any:
+    """``coro``'s result (None after Ctrl-C), or exit 1 with the error."""
     try:
-        asyncio.run(coro)
+        return asyncio.run(coro)
     except KeyboardInterrupt:
-        pass
+        return None
     except errors.SplitserveError as exc:
         typer.echo(f"error {exc}", err=True)
         raise typer.Exit(1) from None
+
+
+def _operator_ask(nats_url: str | None, ask: Callable[[Any], Awaitable[Any]], nobody: str) -> Any:
+    """One request of an operator command: connect, ``ask(nc)``, close; a failure that is not already a precise
+    error says ``nobody`` (e.g. "no router answered") and exits 1."""
+
+    async def go() -> Any:
+        nc = await _operator_nc(nats_url)
+        try:
+            return await ask(nc)
+        except errors.SplitserveError:
+            raise
+        except Exception as exc:
+            raise errors.Unavailable(f"{nobody}: {exc}") from None
+        finally:
+            await nc.close()
+
+    result = _run_operator(go())
+    if result is None:  # Ctrl-C: nothing to print
+        raise typer.Exit(130)
+    return result
 
 
 @app.command()
@@ -637,18 +660,7 @@ def cache_stats(
 
     from splitserve.ops import cache_stats as ask
 
-    async def go() -> Any:
-        nc = await _operator_nc(nats_url)
-        try:
-            return await ask(nc)
-        except errors.SplitserveError:
-            raise
-        except Exception as exc:
-            raise errors.Unavailable(f"no cache index answered: {exc}") from None
-        finally:
-            await nc.close()
-
-    rep = _operator_result(go())
+    rep = _operator_ask(nats_url, ask, "no cache index answered")
     if as_json:
         print(rep.model_dump_json(indent=2))
         return
@@ -688,18 +700,7 @@ def cache_lookup(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
 
-    async def go() -> Any:
-        nc = await _operator_nc(nats_url)
-        try:
-            return await route_explain(nc, req)
-        except errors.SplitserveError:
-            raise
-        except Exception as exc:
-            raise errors.Unavailable(f"no router answered: {exc}") from None
-        finally:
-            await nc.close()
-
-    rep = _operator_result(go())
+    rep = _operator_ask(nats_url, lambda nc: route_explain(nc, req), "no router answered")
     rows = sorted(rep.workers, key=lambda w: (-w.cached_blocks, w.role, w.worker_id))
     held = [{"worker_id": w.worker_id, "role": w.role, "cached_blocks": w.cached_blocks,
              "cached_tokens": min(w.cached_blocks * rep.block_size, rep.prompt_tokens)} for w in rows]
@@ -714,15 +715,6 @@ def cache_lookup(
     for h in held:
         t.add_row(h["worker_id"], h["role"], str(h["cached_blocks"]), f"{h['cached_tokens']:,}")
     Console().print(t)
-
-
-def _operator_result(coro: Any) -> Any:
-    """``coro``'s result, or exit 1 with the error (as :func:`_run_operator`)."""
-    try:
-        return asyncio.run(coro)
-    except errors.SplitserveError as exc:
-        typer.echo(f"error {exc}", err=True)
-        raise typer.Exit(1) from None
 
 
 def _duration_s(text: str) -> float | None:

@@ -8,9 +8,11 @@ import subprocess
 import time
 
 import nats
+import nats.errors
 
 from splitserve import errors, proto
 from splitserve.client import Client, Result
+from splitserve.discovery import server_list
 from splitserve.proto import Heartbeat, Subjects
 from splitserve.stackproc import spawn_service, wait_ready
 
@@ -28,6 +30,27 @@ def stop(*procs: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+async def ready_pid(url: str, worker: str, role: str, other_than: int | None, timeout: float = 120.0) -> int:
+    """The pid of ``worker`` once a heartbeat says ``ready`` from a process other than ``other_than`` (a restarted
+    one is back)."""
+    nc = await nats.connect(server_list(url))
+    try:
+        sub = await nc.subscribe(Subjects.heartbeat(role, worker))
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, f"{worker} did not come back ready within {timeout:.0f}s"
+            try:
+                msg = await sub.next_msg(timeout=min(left, 5.0))
+            except nats.errors.TimeoutError:
+                continue
+            hb = proto.decode(msg.data, Heartbeat)
+            if hb.state == "ready" and hb.pid is not None and hb.pid != other_than:
+                return hb.pid
+    finally:
+        await nc.close()
 
 
 async def heartbeat_of(url: str, worker: str, role: str = "decode") -> Heartbeat:

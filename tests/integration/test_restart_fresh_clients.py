@@ -22,41 +22,18 @@ import sys
 import time
 from pathlib import Path
 
-import nats
-import nats.errors
 import psutil
 import pytest
 
-from splitserve import proto
 from splitserve.discovery import server_list
 from splitserve.natsserver import nats_server_binary
-from splitserve.proto import Heartbeat, Subjects
 from splitserve.stackproc import StackProc, start_stack
+from tests.procs import ready_pid
 
 pytestmark = pytest.mark.slow
 
 SPLITSERVE = str(Path(sys.executable).parent / "splitserve")
 VICTIMS = [("router-0", "router"), ("prefill-0", "prefill"), ("decode-0", "decode"), ("cache-index-0", "cache_index")]
-
-
-async def _ready_pid(url: str, worker: str, role: str, other_than: int | None, timeout: float = 120.0) -> int:
-    """The pid of ``worker`` once a heartbeat says ``ready`` from a process other than ``other_than``."""
-    nc = await nats.connect(server_list(url))
-    try:
-        sub = await nc.subscribe(Subjects.heartbeat(role, worker))
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0, f"{worker} did not come back ready within {timeout:.0f}s"
-            try:
-                msg = await sub.next_msg(timeout=min(left, 5.0))
-            except nats.errors.TimeoutError:
-                continue
-            hb = proto.decode(msg.data, Heartbeat)
-            if hb.state == "ready" and hb.pid is not None and hb.pid != other_than:
-                return hb.pid
-    finally:
-        await nc.close()
 
 
 def _alive(pid: int) -> bool:
@@ -129,9 +106,9 @@ async def test_restarting_each_service_fails_no_fresh_client(tmp_path: Path) -> 
         await asyncio.sleep(3)
         for worker, role in VICTIMS:
             for sig in (signal.SIGTERM, signal.SIGKILL):
-                pid = await _ready_pid(url, worker, role, None)
+                pid = await ready_pid(url, worker, role, None)
                 os.kill(pid, sig)
-                await _ready_pid(url, worker, role, pid)
+                await ready_pid(url, worker, role, pid)
                 restarts.append(f"{worker}:{sig.name}")
                 await asyncio.sleep(2)  # clients keep arriving at the restarted service
         for sig in (signal.SIGTERM, signal.SIGKILL):

@@ -18,40 +18,17 @@ import sys
 import time
 from pathlib import Path
 
-import nats
-import nats.errors
 import pytest
 
-from splitserve import proto
 from splitserve.client import Client
-from splitserve.proto import Heartbeat, Subjects
 from splitserve.stackproc import StackProc, start_stack
+from tests.procs import ready_pid
 
 pytestmark = pytest.mark.slow
 
 PROMPT = ("In a quiet village by the sea there lived an old lighthouse keeper who kept a journal of every ship "
           "that passed. ") * 30 + "What did the keeper write about?"
 SNAPSHOT_WAIT_S = 6.0  # the cache index snapshots every 5 s: the restarted router loads it (and replays the rest)
-
-
-async def _router_ready(url: str, other_than: int | None, timeout: float = 120.0) -> int:
-    """router-0's pid once a "ready" heartbeat comes from a process other than ``other_than``."""
-    nc = await nats.connect(url)
-    try:
-        sub = await nc.subscribe(Subjects.heartbeat("router", "router-0"))
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0, "router-0 did not come back ready"
-            try:
-                msg = await sub.next_msg(timeout=min(left, 5.0))
-            except nats.errors.TimeoutError:
-                continue
-            hb = proto.decode(msg.data, Heartbeat)
-            if hb.state == "ready" and hb.pid is not None and hb.pid != other_than:
-                return hb.pid
-    finally:
-        await nc.close()
 
 
 def _warm_start_line(sp: StackProc) -> dict[str, object]:
@@ -72,10 +49,10 @@ def test_restarted_router_routes_to_the_idle_holder_of_a_prompt(tmp_path: Path) 
             holder = first.decode_worker
             assert holder is not None
             await asyncio.sleep(SNAPSHOT_WAIT_S)
-            pid = await _router_ready(url, None)
+            pid = await ready_pid(url, "router-0", "router", None)
             t_kill = time.monotonic()
             os.kill(pid, signal.SIGKILL)
-            await _router_ready(url, pid)
+            await ready_pid(url, "router-0", "router", pid)
             ready_s = time.monotonic() - t_kill
             async with Client(url) as c:
                 second = await c.complete(PROMPT, max_tokens=4)
