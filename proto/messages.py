@@ -304,6 +304,9 @@ class DecodeJob(Message, TenantRequest):
     # The tenant's fair-share weight (tenants file): a prefiller serves its waiting prompts by weighted tokens
     # between tenants (splitserve.tenancy.fairqueue). Added in v1 with a default.
     weight: float = Field(default=1.0, gt=0.0, le=1e6, allow_inf_nan=False)
+    # Funded by its tenant's guarantee (splitserve.tenancy.contracts): a prefiller serves such prompts before any
+    # other. Added in v1 with a default.
+    guaranteed: bool = False
 
     @model_validator(mode="after")
     def _own_subject(self) -> DecodeJob:
@@ -711,6 +714,12 @@ class TenantQueue(BaseModel):
     refused_per_s: float = 0.0
     served_tokens: int = 0  # tokens charged to the tenant by the fair scheduler since the router started
     tokens_last_minute: int = 0  # what the tokens_per_minute quota counts
+    # Contracts (splitserve.tenancy.contracts), added in v1 with defaults: the tenant's priority class, its running
+    # requests over every router, and how its next request would be funded now ("guaranteed", "burst", or
+    # "capped": at a burst cap, it waits); None without contracts.
+    priority: int = 0
+    cluster_running: int | None = None
+    funding: str | None = None
 
 
 class QueueReport(Message):
@@ -720,6 +729,8 @@ class QueueReport(Message):
     capacity: int = 0  # decode slots the router may fill now
     running: int = 0
     tenants: list[TenantQueue] = Field(default_factory=list)
+    # What the live workers cannot honour of the contracts' guarantees (empty: they fit). Added in v1.
+    contract_problems: list[str] = Field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------- several routers
@@ -803,3 +814,6 @@ class FairShareReport(Message):
     router_id: str
     incarnation: str  # one per router process: a restarted router's tokens add to, never replace, the old ones
     virtual_tokens: dict[str, float] = Field(default_factory=dict)
+    # Contracts (splitserve.tenancy.contracts), added in v1 with a default: the requests this router runs per
+    # tenant now.
+    running: dict[str, int] = Field(default_factory=dict, max_length=4096)

@@ -237,11 +237,16 @@ def up(
                       lora_modules=loras, max_loras=max_loras, lora_affinity=lora_affinity)
     if tenants is not None:
         from splitserve.tenancy.config import load_tenants
+        from splitserve.tenancy.contracts import overcommitted
 
         try:
-            load_tenants(tenants)
+            contracts = load_tenants(tenants).contracts()
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--tenants") from None
+        # Guarantees the workers cannot honour are refused now, not discovered under load.
+        if contracts and (problems := overcommitted(contracts, *cfg.capacity())):
+            raise typer.BadParameter(f"{tenants}: the contracts cannot be honoured: {'; '.join(problems)}",
+                                     param_hint="--tenants")
     long_note = f" + {long_decode} long-context decode" if long_decode else ""
     router_note = f"{routers} routers, " if routers > 1 else ""
     pools_note = ""
@@ -553,18 +558,27 @@ def queues(
 def _queues_table(rep: Any) -> Any:
     from rich.table import Table
 
+    problems = "".join(f"\n[red]contracts over capacity: {p}[/red]" for p in rep.contract_problems)
     t = Table(title=f"queues @ {rep.router_id}  (free decode slots {rep.capacity}, running {rep.running}; "
-                    "rates over 10 s)", title_justify="left")
+                    f"rates over 10 s){problems}", title_justify="left")
+    contracts = any(r.funding is not None for r in rep.tenants)
     # short headers: the table fits an 80-column terminal (--json has the long names)
-    for col in ("tenant", "w", "queued", "classes", "run", "inflight", "oldest s", "acc/s", "disp/s", "ref/s",
-                "served tok", "tok/min"):
-        t.add_column(col, justify="left" if col in ("tenant", "classes") else "right")
+    cols = ["tenant", "w", "queued", "classes", "run", "inflight", "oldest s", "acc/s", "disp/s", "ref/s",
+            "served tok", "tok/min"]
+    if contracts:  # the tenant's class, its running requests over every router, and how its next is funded
+        cols += ["prio", "all run", "band"]
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("tenant", "classes", "band") else "right")
     for r in rep.tenants:
         by = " ".join(f"{k}:{v}" for k, v in r.queued_by_class.items() if v) or "-"
         wait = "-" if r.oldest_wait_ms is None else f"{r.oldest_wait_ms / 1000:.1f}"
-        t.add_row(r.tenant, f"{r.weight:g}", str(r.queued), by, str(r.running), str(r.inflight), wait,
-                  f"{r.accepted_per_s:.1f}", f"{r.dispatched_per_s:.1f}", f"{r.refused_per_s:.1f}",
-                  f"{r.served_tokens:,}", f"{r.tokens_last_minute:,}")
+        row = [r.tenant, f"{r.weight:g}", str(r.queued), by, str(r.running), str(r.inflight), wait,
+               f"{r.accepted_per_s:.1f}", f"{r.dispatched_per_s:.1f}", f"{r.refused_per_s:.1f}",
+               f"{r.served_tokens:,}", f"{r.tokens_last_minute:,}"]
+        if contracts:
+            row += [str(r.priority), str(r.cluster_running if r.cluster_running is not None else "-"),
+                    r.funding or "-"]
+        t.add_row(*row)
     return t
 
 

@@ -41,6 +41,8 @@ from splitserve.tenancy.config import load_tenants
 from splitserve.tenancy.natsauth import StackAuth
 
 MODEL_NAME_MAX = 256  # a served model's name: as long as a request's ``model`` may be (proto.GenerateRequest)
+# The sequences each decoder runs at once: the decode service's --max-batch default, which ``up`` leaves as it is.
+DECODE_MAX_BATCH = 16
 BUNDLED_MODEL = "bundled"  # the routers' PATH for the bundled SmolLM2 (``--model NAME=bundled``)
 
 
@@ -219,6 +221,19 @@ class StackConfig:
         """Every pool of workers: the configured models, else the one pool of the flags (named "": it passes no
         --served-model-name)."""
         return list(self.models) or [ModelPool("", self.model, self.prefill, self.decode, self.lora_modules)]
+
+    def capacity(self) -> tuple[int, float | None]:
+        """The decode slots and prefill tokens per second the stack's workers will have, for checking the tenants'
+        contract guarantees at start: slots are the decoders' batch (``DECODE_MAX_BATCH`` each, long-context ones
+        included); the prefill rate is known ahead only for the mock engine (its configured speed per prefiller),
+        else None (the routers check it once the prefillers have measured theirs)."""
+        slots = (self.decode + self.long_decode) * DECODE_MAX_BATCH
+        rate = None
+        if self.engine == "mock":
+            from splitserve.engines.mock import DEFAULT_PREFILL_TPS, PREFILL_TPS_ENV
+
+            rate = self.prefill * float(os.environ.get(PREFILL_TPS_ENV) or DEFAULT_PREFILL_TPS)
+        return slots, rate
 
     def router_model_policies(self) -> list[str]:
         """The routers' per-model settings: ``--model-strategy NAME=S`` / ``--model-disagg-threshold NAME=N`` for

@@ -24,6 +24,9 @@ def _isolated_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     old = os.environ.get("SPLITSERVE_HOME")
     os.environ["SPLITSERVE_HOME"] = str(tmp_path_factory.mktemp("splitserve-home"))
     os.environ.pop("SPLITSERVE_NATS_URL", None)
+    # One HTTP front door per test stack (``up``'s default is 2): a front door costs ~1 CPU-second to start and a
+    # little for every second it runs, on a 2-core CI. Tests of several front doors pass --frontends themselves.
+    os.environ.setdefault("SPLITSERVE_UP_FRONTENDS", "1")
     yield
     if old is None:
         os.environ.pop("SPLITSERVE_HOME", None)
@@ -125,8 +128,23 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_CpuFromWorkers(), "splitserve-cpu-from-workers")
 
 
+_WORKER_DONE: dict[str, float] = {}  # xdist worker -> seconds from the session's start to its last test's end
+_SESSION_START: list[float] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    import time
+
+    _SESSION_START.append(time.monotonic())
+
+
 class _CpuFromWorkers:
     def pytest_testnodedown(self, node: object, error: object) -> None:
+        import time
+
+        if _SESSION_START:
+            gw = getattr(getattr(node, "gateway", None), "id", "?")
+            _WORKER_DONE[str(gw)] = time.monotonic() - _SESSION_START[0]
         for path, (cpu, wall) in getattr(node, "workeroutput", {}).get("cpu_by_file", {}).items():
             acc = _CPU_BY_FILE.setdefault(path, [0.0, 0.0])
             acc[0] += cpu
@@ -141,3 +159,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     terminalreporter.write_sep("=", f"CPU seconds by test file (all {total:.0f} s; the costliest 12)")
     for path, (cpu, wall) in top:
         terminalreporter.write_line(f"{cpu:8.1f} cpu s {wall:8.1f} wall s  {path}")
+    if _WORKER_DONE:  # a worker done long before the others: the files' order (HEAVY_FIRST) wants a look
+        done = ", ".join(f"{gw} {t:.0f} s" for gw, t in sorted(_WORKER_DONE.items(), key=lambda kv: kv[1]))
+        terminalreporter.write_line(f"workers done at: {done}")

@@ -299,7 +299,7 @@ class PrefillService(Service):
     async def on_job(self, job: PrefillJob, msg: Msg) -> None:
         d = job.decode
         self._weights[d.tenant] = d.weight
-        self.queue.push(d.tenant, len(d.context_token_ids()), (job, dict(msg.headers or {})))
+        self.queue.push(d.tenant, len(d.context_token_ids()), (job, dict(msg.headers or {})), d.guaranteed)
         self._wake.set()
 
     async def _loop(self) -> None:

@@ -4,6 +4,8 @@ of every strategy, :mod:`splitserve.services.router.explain`).
 
 from __future__ import annotations
 
+from typing import Any
+
 from nats.aio.msg import Msg
 
 from splitserve import proto
@@ -40,9 +42,18 @@ class Admin(RouterCore):
                 accepted_per_s=self._rate(t, "accepted").per_s(now),
                 dispatched_per_s=self._rate(t, "dispatched").per_s(now),
                 refused_per_s=self._rate(t, "refused").per_s(now),
-                served_tokens=served.get(t, 0), tokens_last_minute=self.quota.tokens_in_window(t, now)))
+                served_tokens=served.get(t, 0), tokens_last_minute=self.quota.tokens_in_window(t, now),
+                priority=self.tenants.priority(t), **self._contract_columns(t, now)))
         await self.b.respond(msg, QueueReport(router_id=self.worker_id, capacity=self.free_slots(now),
-                                              running=len(self.inflight), tenants=rows))
+                                              running=len(self.inflight), tenants=rows,
+                                              contract_problems=self._contract_problems))
+
+    def _contract_columns(self, tenant: str, now: float) -> dict[str, Any]:
+        if not self.contracts_on:
+            return {}
+        funding = self.contracts.funding(tenant, now)
+        return {"cluster_running": self.contracts.running(tenant),
+                "funding": "capped" if funding is None else funding.value}
 
     async def on_route_explain(self, req: proto.RouteExplainRequest, msg: Msg) -> None:
         """What each strategy would decide for this prompt now: a dry run that dispatches nothing and leaves

@@ -12,7 +12,7 @@ import contextlib
 import hashlib
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +25,7 @@ from opentelemetry.trace import SpanContext
 from splitserve import proto
 from splitserve.cache.index import PrefixIndex
 from splitserve.obs import tracing
+from splitserve.obs.rates import EventRate
 from splitserve.proto import (
     DecodeJob,
     ErrorCode,
@@ -49,6 +50,7 @@ from splitserve.runtime.workqueue import WorkQueue
 from splitserve.services.router.models import ModelTable
 from splitserve.services.router.shared import CorruptRecord, RequestRegistry, SharedQuota
 from splitserve.tenancy import TenantsConfig, load_tenants
+from splitserve.tenancy.contracts import ContractGate, Funding
 from splitserve.tenancy.fairshare import FairScheduler
 from splitserve.tenancy.intake_rate import IntakeBudget
 from splitserve.tenancy.quota import QuotaBook
@@ -57,24 +59,6 @@ if TYPE_CHECKING:
     from splitserve.services.router.tokenize import PromptTokenizer
 
 REGISTRY_WARMUP_S = 1.5  # three heartbeat intervals: a router that just started has heard every live worker
-
-
-class _Rate:
-    """Events per second over the last ``window_s``."""
-
-    def __init__(self, window_s: float = 10.0) -> None:
-        self.window_s = window_s
-        self._t: deque[float] = deque()
-
-    def add(self, now: float) -> None:
-        self._t.append(now)
-        if len(self._t) > 64 and self._t[0] < now - self.window_s:
-            self.per_s(now)  # drop what left the window: nobody may ask for a while (only reports do)
-
-    def per_s(self, now: float) -> float:
-        while self._t and self._t[0] < now - self.window_s:
-            self._t.popleft()
-        return len(self._t) / self.window_s
 
 
 @dataclass(eq=False)
@@ -147,6 +131,12 @@ class RouterCore(Service):
         self.tenants = load_tenants(tenants_file) if tenants_file else TenantsConfig.open_mode()
         self.quota = QuotaBook(self.tenants)
         self.fair = FairScheduler(self.tenants.weight)
+        self.contracts = ContractGate(self.tenants.contract, self.tenants.priority, self._own_running,
+                                      self.tenants.contracts(), self._router_share)
+        self.contracts_on = bool(self.tenants.contracts()) or self.tenants.defaults.contract is not None
+        self._funding: dict[str, Funding] = {}  # tenant -> how its request being dispatched is funded
+        self._remote_running: dict[str, tuple[float, dict[str, int]]] = {}  # router -> (heard at, running)
+        self._contract_problems: list[str] = []  # what the live workers cannot honour now (peers' check)
         self.use_queue = queue
         self.queue_ack_wait_s = queue_ack_wait_s
         self._dispatch_wake = asyncio.Event()
@@ -154,7 +144,7 @@ class RouterCore(Service):
         self.dropped: OrderedDict[str, None] = OrderedDict()
         self._deadlines: list[tuple[float, str, str]] = []  # (deadline ms, tenant, request id) accepted here
         self._accepted_meta: dict[str, tuple[str, str, int]] = {}  # key -> (tenant, stream subject, prompt len)
-        self._rates: dict[tuple[str, str], _Rate] = {}  # only tenants that passed _tenant_slot: bounded
+        self._rates: dict[tuple[str, str], EventRate] = {}  # only tenants that passed _tenant_slot: bounded
         self._open_tenants: set[str] = set()  # open mode: the tenant names seen (at most OPEN_MODE_MAX_TENANTS)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._tokenizing = 0
@@ -166,6 +156,15 @@ class RouterCore(Service):
         # router -> tenant -> virtual tokens of its DispatchNotes since its last FairShareReport
         self._remote_recent: dict[str, dict[str, float]] = {}
         self._claiming: set[str] = set()  # requests this router is claiming/dispatching now
+
+    def _own_running(self, tenant: str) -> int:
+        return self.book.by_tenant.get(tenant, 0)
+
+    def _router_share(self) -> tuple[int, int]:
+        """This router's rank among the live routers (itself included) and their number: contract caps are
+        split between them."""
+        ids = sorted({hb.worker_id for hb in self.registry.live("router", self.clock())} | {self.worker_id})
+        return ids.index(self.worker_id), len(ids)
 
     @property
     def inflight(self) -> dict[str, Inflight]:
@@ -308,10 +307,10 @@ class RouterCore(Service):
         else:
             inf.started = inf.confirmed = True
 
-    def _rate(self, tenant: str, what: str) -> _Rate:
+    def _rate(self, tenant: str, what: str) -> EventRate:
         r = self._rates.get((tenant, what))
         if r is None:
-            r = self._rates[(tenant, what)] = _Rate()
+            r = self._rates[(tenant, what)] = EventRate()
         return r
 
     def _live(self, role: str, model: str, now: float, lora: str | None = None) -> list[Heartbeat]:

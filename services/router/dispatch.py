@@ -34,6 +34,7 @@ from splitserve.routing.live import dispatch_batch
 from splitserve.runtime.bus import identity_refusal
 from splitserve.services.router.core import REGISTRY_WARMUP_S, Inflight, RouterCore
 from splitserve.services.router.shared import CorruptRecord
+from splitserve.tenancy.contracts import Funding
 
 MAX_DELIVERIES = 5  # a request that took down this many routers is failed instead of tried again
 
@@ -66,12 +67,24 @@ class Dispatch(RouterCore):
         progressed = False
         for m in self.models.models:
             while not self.draining and (free := self.free_slots(self.clock(), m.name)) > 0:
-                tenant = self.fair.pick(self.wq.pending_by_tenant(m.pool))
-                if tenant is None:
-                    break
-                # A few at a time when many slots are free (one round trip to the server for several requests);
-                # few enough that the fair scheduler still decides at a fine grain.
-                qmsgs = await self.wq.fetch(tenant, dispatch_batch(free), m.pool)
+                pending = self.wq.pending_by_tenant(m.pool)
+                if self.contracts_on:
+                    # Contracts: guaranteed-funded tenants first, burst within its caps and the unreserved slots;
+                    # one request at a time, so that each is funded as the gate said.
+                    picked = self.contracts.pick(pending, free, self.fair.pick, self.clock())
+                    if picked is None:
+                        break
+                    tenant, self._funding[picked[0]] = picked
+                    batch = 1
+                else:
+                    fair = self.fair.pick(pending)
+                    if fair is None:
+                        break
+                    tenant = fair
+                    # A few at a time when many slots are free (one round trip to the server for several
+                    # requests); few enough that the fair scheduler still decides at a fine grain.
+                    batch = dispatch_batch(free)
+                qmsgs = await self.wq.fetch(tenant, batch, m.pool)
                 if not qmsgs:
                     continue
                 progressed = True
@@ -301,6 +314,7 @@ class Dispatch(RouterCore):
             # the policy knows the request by its key (tenant.id); the caller by its id
             decision={**decision.to_dict(), "request_id": req.request_id, "router": self.worker_id},
             stream=req.stream, cache_salt=salt, lora=req.lora, weight=self.tenants.weight(req.tenant),
+            guaranteed=self._funding.pop(req.tenant, None) is Funding.GUARANTEED,
         )
         charge = len(ids) + req.sampling.max_tokens
         inf = Inflight(request_id=req.request_id, tenant=req.tenant, stream_subject=req.stream_subject,
@@ -308,6 +322,8 @@ class Dispatch(RouterCore):
         if record is not None:
             inf.record, inf.record_rev = record
         self.fair.charge(req.tenant, charge)
+        if self.contracts_on:
+            self.contracts.dispatched(req.tenant, decision.uncached_tokens, now)
         self.book.add(inf, now)
         inf.trace_ctx = sp.get_span_context() if sp.get_span_context().is_valid else None
         ddict = job.decision

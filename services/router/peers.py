@@ -17,8 +17,12 @@ from splitserve.proto import (
     Subjects,
 )
 from splitserve.services.router.core import RouterCore
+from splitserve.tenancy.contracts import overcommitted
 
 FAIR_REPORT_S = 0.25  # how often a router tells the others what it charged each tenant
+RUNNING_RESEND_S = 2.0  # with contracts, a router repeats its running counts at least this often
+RUNNING_STALE_S = 3 * RUNNING_RESEND_S  # ... and the others forget them when it has not for this long
+CAPACITY_EVERY = 8  # fair reports between two checks of the contracts against the live workers (2 s)
 RECONCILE_S = 10.0  # how often a router checks old quota reservations against the request registry
 RECONCILE_AFTER_S = 30.0  # reservations younger than this are never questioned (their intake may be running)
 
@@ -49,6 +53,21 @@ class Peers(RouterCore):
         # The report includes every dispatch note it sent before it (one connection: NATS keeps their order).
         self._remote_recent.pop(rep.router_id, None)
         self._apply_remote_fair()
+        if self.contracts_on:
+            self._apply_remote_contracts(rep)
+
+    def _apply_remote_contracts(self, rep: FairShareReport) -> None:
+        """Another router's running requests per tenant (its latest report; a silent router's go stale)."""
+        now = self.clock()
+        self._remote_running[rep.router_id] = (now, rep.running)
+        running: dict[str, int] = {}
+        for rid, (at, counts) in list(self._remote_running.items()):
+            if now - at > RUNNING_STALE_S:
+                del self._remote_running[rid]
+                continue
+            for t, n in counts.items():
+                running[t] = running.get(t, 0) + n
+        self.contracts.set_remote(running)
 
     def _apply_remote_fair(self) -> None:
         total: dict[str, float] = {}
@@ -57,17 +76,45 @@ class Peers(RouterCore):
                 total[t] = total.get(t, 0.0) + v
         self.fair.set_remote(total)
 
+    def _check_contracts(self) -> None:
+        """Say when the live workers can no longer honour the contracts' guarantees (a decoder died, prefillers
+        slowed), and when they can again: ``contracts_overcommitted`` / ``contracts_fit``."""
+        now = self.clock()
+        decoders = self.registry.live("decode", now)
+        prefillers = self.registry.live("prefill", now)
+        slots = sum(hb.load.max_seqs or 0 for hb in decoders)
+        speeds = [hb.load.prefill_tokens_per_s for hb in prefillers]
+        # Prefill capacity is known once every live prefiller has measured its speed.
+        rate = sum(s for s in speeds if s is not None) if speeds and None not in speeds else None
+        problems = overcommitted(self.tenants.contracts(), slots, rate)
+        if problems != self._contract_problems:
+            if problems:
+                self.log.warning("contracts_overcommitted", problems=problems, decode_slots=slots,
+                                 prefill_tokens_per_s=rate)
+            elif self._contract_problems:
+                self.log.info("contracts_fit", decode_slots=slots, prefill_tokens_per_s=rate)
+            self._contract_problems = problems
+
     async def _fair_reports(self) -> None:
-        last: dict[str, float] | None = None
+        last: tuple[dict[str, float], dict[str, int]] | None = None
+        sent_at = 0.0
+        checks = 0
         while True:
             await asyncio.sleep(FAIR_REPORT_S)
+            if self.contracts_on and (checks := checks + 1) % CAPACITY_EVERY == 0:
+                self._check_contracts()
             virtual = self.fair.virtual()
-            if virtual == last:
+            running = dict(self.book.by_tenant) if self.contracts_on else {}
+            now = self.clock()
+            # Sent when something changed, and with contracts at least every RUNNING_RESEND_S: running counts
+            # are a level, and a router that stops reporting stops counting.
+            if (virtual, running) == last and not (self.contracts_on and now - sent_at > RUNNING_RESEND_S):
                 continue
             with contextlib.suppress(Exception):
                 await self.b.publish(Subjects.fair(self.worker_id), FairShareReport(
-                    router_id=self.worker_id, incarnation=self.incarnation, virtual_tokens=virtual))
-                last = virtual
+                    router_id=self.worker_id, incarnation=self.incarnation, virtual_tokens=virtual,
+                    running=running))
+                last, sent_at = (virtual, running), now
 
     async def _reconcile_quota(self) -> None:
         """Release reservations nobody will finish: a router that died between reserving quota and registering

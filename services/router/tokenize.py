@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from splitserve.engines.light_tokenizer import PROBE_CHATS, PROBE_TEXTS
 from splitserve.proto import GenerateRequest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -18,19 +19,33 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 class PromptTokenizer:
     def __init__(self, model: str | None) -> None:
         from splitserve.engines.hf_export import tokenizer_folder
+        from splitserve.engines.light_tokenizer import vouched
         from splitserve.engines.model_files import resolve_model
-        from splitserve.engines.tokenizer_load import load_tokenizer
 
         ref = resolve_model(model)
         files = tokenizer_folder(ref)  # a GGUF's tokenizer from its converted folder: 0.6 s, not 4 s
-        self.tok = load_tokenizer(Path(files.directory), files.gguf_file)
         self.name = ref.name
-        # The Rust tokenizer behind a fast tokenizer: ``tok.encode`` ends in its ``encode``, under about as much
-        # again of transformers' Python wrapping (and a chat template tokenized by transformers pays that on
-        # top of rendering). The router tokenizes every request, so it calls the Rust one directly, but only
-        # once it has given the very same ids as transformers on this tokenizer (checked here).
-        self._rust, self._rust_chat = self._rust_if_same()
+        self.tok: Any = None
+        self._rust: Any = None
+        self._rust_chat = False
+        # The Rust tokenizer and the template, without transformers, when an earlier start on this machine found
+        # them to give transformers' very ids for these files (splitserve.engines.light_tokenizer): a router start
+        # then imports neither transformers nor torch (about 1.5 CPU-s less).
+        self._light = vouched(files.directory) if files.gguf_file is None else None
+        if self._light is None:
+            self._load_transformers(files.directory, files.gguf_file)
         self.max_token_bytes = self._max_token_bytes()
+
+    def _load_transformers(self, directory: Path, gguf_file: str | None) -> None:
+        from splitserve.engines.light_tokenizer import vouch
+        from splitserve.engines.tokenizer_load import load_tokenizer
+
+        self.tok = load_tokenizer(directory, gguf_file)
+        self._light = vouch(directory, self.tok) if gguf_file is None else None
+        # Not vouched for whole (say the template needs what jinja alone lacks): the Rust tokenizer behind a
+        # fast tokenizer still takes plain prompts when it gives the same ids (``tok.encode`` ends in its
+        # ``encode``, under about as much again of transformers' Python wrapping).
+        self._rust, self._rust_chat = (None, False) if self._light is not None else self._rust_if_same()
 
     def _max_token_bytes(self) -> int:
         """An upper bound on the UTF-8 bytes of text one token covers: the longest vocabulary entry as spelled
@@ -38,11 +53,15 @@ class PromptTokenizer:
         '▁' is 3 bytes for one space, byte fallbacks are 6 characters for one byte: each spelling is at least as
         long as the text it covers). A normaliser could shrink text before tokenizing, so then 4x slack."""
         try:
-            longest = max(len(tok.encode("utf-8")) for tok in self.tok.get_vocab())
+            vocab = self._light.get_vocab() if self._light is not None else self.tok.get_vocab()
+            longest = max(len(tok.encode("utf-8")) for tok in vocab)
         except Exception:
             return 1 << 20  # no vocabulary to read: no bound (every prompt is tokenized)
-        backend = getattr(self.tok, "backend_tokenizer", None)
-        normalizer = getattr(backend, "normalizer", None) if backend is not None else None
+        if self._light is not None:
+            normalizer = self._light.normalizer
+        else:
+            backend = getattr(self.tok, "backend_tokenizer", None)
+            normalizer = getattr(backend, "normalizer", None) if backend is not None else None
         return max(1, longest * (4 if normalizer is not None else 1))
 
     @staticmethod
@@ -67,7 +86,7 @@ class PromptTokenizer:
         if rust is None:
             return None, False
         try:
-            for text in _PROBE_TEXTS:
+            for text in PROBE_TEXTS:
                 for special in (True, False):
                     if rust.encode(text, add_special_tokens=special).ids != list(
                             self.tok.encode(text, add_special_tokens=special)):
@@ -75,7 +94,8 @@ class PromptTokenizer:
         except Exception:
             return None, False
         try:
-            same_chat = self._chat_rust(rust, _PROBE_CHAT) == self._chat_slow(_PROBE_CHAT)
+            probe = list(PROBE_CHATS[-1])
+            same_chat = self._chat_rust(rust, probe) == self._chat_slow(probe)
         except Exception:  # no chat template: chat requests get the slow path's own error
             same_chat = False
         return rust, same_chat
@@ -97,22 +117,14 @@ class PromptTokenizer:
             return list(req.prompt_token_ids)
         if req.messages is not None:
             msgs = [m.model_dump() for m in req.messages]
+            if self._light is not None:
+                return self._light.chat_ids(msgs)
             return self._chat_rust(self._rust, msgs) if self._rust_chat else self._chat_slow(msgs)
         assert req.prompt is not None
+        if self._light is not None:
+            return self._light.encode(req.prompt, add_special_tokens=True)
         # As vLLM's server: the tokenizer's own special tokens (its BOS when it adds one; SmolLM2's adds none).
         # Chat prompts get theirs from the chat template instead.
         if self._rust is not None:
             return list(self._rust.encode(req.prompt, add_special_tokens=True).ids)
         return list(self.tok.encode(req.prompt, add_special_tokens=True))
-
-
-# What the Rust fast path must tokenize exactly as transformers does before the router uses it: spaces, digits,
-# non-ASCII, text that looks like special tokens, the empty string; and a conversation through the template.
-_PROBE_TEXTS = ("Hello, world!", "  two leading spaces\tand a tab\n", "1234567 + 89 = ?", "naïve café 🙂 日本語",
-                "<|im_start|>user\nhi<|im_end|>\n<s></s>", "")
-_PROBE_CHAT: list[dict[str, Any]] = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "What is the capital of France? Ünïcode 🙂"},
-    {"role": "assistant", "content": "Paris."},
-    {"role": "user", "content": "And of Japan?"},
-]

@@ -1,31 +1,47 @@
 """Inference engines behind one interface (`Engine`), and a registry to load them by name.
 
-Backends are imported lazily: importing this package does not import transformers or vllm. "mock" is not a
+Backends are imported lazily: importing this package does not import torch, transformers or vllm. "mock" is not a
 model: it fakes tokens for control-plane load tests (see splitserve.engines.mock).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from splitserve.engines.base import (
-    AdapterNotSupported,
-    ContextFull,
-    Engine,
-    EngineError,
-    KvSource,
-    LayerHook,
-    ModelInfo,
-    PrefillRequest,
-    PrefillResult,
-    PromptTooLong,
-    Sampling,
-    TokenLogprobs,
-    UnknownAdapter,
-)
+if TYPE_CHECKING:
+    from splitserve.engines.base import (
+        AdapterNotSupported,
+        ContextFull,
+        Engine,
+        EngineError,
+        KvSource,
+        LayerHook,
+        ModelInfo,
+        PrefillRequest,
+        PrefillResult,
+        PromptTooLong,
+        Sampling,
+        TokenLogprobs,
+        UnknownAdapter,
+    )
 
-EngineFactory = Callable[..., Engine]
+# The interface's names come from ``base``, which imports torch (about 1 CPU-second): loaded on first use, so
+# that what needs only a tokenizer or a model's files (the router, the CLI) never imports torch.
+_BASE_NAMES = frozenset({"AdapterNotSupported", "ContextFull", "Engine", "EngineError", "KvSource", "LayerHook",
+                         "ModelInfo", "PrefillRequest", "PrefillResult", "PromptTooLong", "Sampling",
+                         "TokenLogprobs", "UnknownAdapter"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _BASE_NAMES:
+        from splitserve.engines import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+EngineFactory = Callable[..., "Engine"]
 
 
 def _load_hf(**opts: Any) -> Engine:

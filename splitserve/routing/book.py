@@ -153,6 +153,7 @@ class RequestBook(Generic[F]):
 
     def __init__(self, recent_ends_kept: int = RECENT_ENDS_KEPT, remote_ttl_s: float = REMOTE_TTL_S) -> None:
         self.flights: dict[str, F] = {}
+        self.by_tenant: dict[str, int] = {}  # flights per tenant (only tenants with some): contract slot meters
         self._decoders: dict[str, _Decoder] = {}
         self.free = 0  # sum of every decoder's offered slots (kept as they change: dispatch asks often)
         self.free_by_model: dict[str | None, int] = {}  # the same per served model
@@ -181,6 +182,8 @@ class RequestBook(Generic[F]):
         if not f.holder:
             f.holder = f.prefiller or f.decoder
         f.sent_at = f.routed_at = f.listed_at = now
+        if f.key not in self.flights:
+            self.by_tenant[f.tenant] = self.by_tenant.get(f.tenant, 0) + 1
         self.flights[f.key] = f
         self._on(f)
         return f
@@ -190,6 +193,11 @@ class RequestBook(Generic[F]):
         f = self.flights.pop(key, None)
         if f is not None:
             self._off(f)
+            left = self.by_tenant.get(f.tenant, 0) - 1
+            if left > 0:
+                self.by_tenant[f.tenant] = left
+            else:
+                self.by_tenant.pop(f.tenant, None)
         return f
 
     def moved(self, f: F, decoder: str, prefiller: str | None, now: float) -> None:

@@ -56,6 +56,7 @@ from splitserve.sim.metrics import SimResult, collect
 from splitserve.sim.workers import DecodeWorker, PrefillWorker, Seq
 from splitserve.sim.workload import SimRequest
 from splitserve.tenancy.config import TenantsConfig, load_tenants
+from splitserve.tenancy.contracts import ContractGate, Funding
 from splitserve.tenancy.fairshare import FairScheduler
 from splitserve.tenancy.quota import QuotaBook
 
@@ -240,6 +241,10 @@ class Sim:
             self.tenants = load_tenants(cfg.tenants_file) if cfg.tenants_file else TenantsConfig.open_mode()
         self.quota = QuotaBook(self.tenants)
         self.fair = FairScheduler(self.tenants.weight)
+        # the live router's contract gate (splitserve.tenancy.contracts), over this book's flights
+        self.contracts = ContractGate(self.tenants.contract, self.tenants.priority,
+                                      lambda t: self.book.by_tenant.get(t, 0), self.tenants.contracts())
+        self.contracts_on = bool(self.tenants.contracts()) or self.tenants.defaults.contract is not None
         # heartbeat-derived state, in the live registry's order (decoders, then prefillers; first heard first)
         self.views: list[WorkerView] = []
         self._pos: dict[str, int] = {}
@@ -385,15 +390,23 @@ class Sim:
         """Pull one model's queued requests while its decoders have free slots (None: the one model's, all)."""
         book = self.book
         while (free := book.free_slots(self.loop.now, lane)) > 0:
-            tenant = self.fair.pick(pending)
-            if tenant is None:
-                return
+            guaranteed = False
+            if self.contracts_on:  # as the live router: the contract gate, one request at a time
+                picked = self.contracts.pick(pending, free, self.fair.pick, self.loop.now)
+                if picked is None:
+                    return
+                tenant, batch, guaranteed = picked[0], 1, picked[1] is Funding.GUARANTEED
+            else:
+                fair = self.fair.pick(pending)
+                if fair is None:
+                    return
+                tenant, batch = fair, dispatch_batch(free)
             q = queues[tenant]
-            for _ in range(min(dispatch_batch(free), len(q))):
-                self._route(q.popleft())
+            for _ in range(min(batch, len(q))):
+                self._route(q.popleft(), guaranteed)
             pending[tenant] = len(q)
 
-    def _route(self, r: SimRequest) -> None:
+    def _route(self, r: SimRequest, guaranteed: bool = False) -> None:
         now = self.loop.now
         cfg = self.cfg
         scoped = self.multi or r.lora is not None
@@ -415,8 +428,10 @@ class Sim:
                              {**d.to_dict(), "request_id": r.request_id}))
         charge = r.prompt_tokens + r.output_tokens
         self.fair.charge(r.tenant, charge)
+        if self.contracts_on:
+            self.contracts.dispatched(r.tenant, d.uncached_tokens, now)
         s = Seq(r, route=d.route, decoder=d.decoder, prefiller=d.prefiller, hashes=hashes, dispatched_s=now,
-                charged=charge, key=key)
+                charged=charge, key=key, guaranteed=guaranteed)
         s.decoder_cached = d.cached_tokens
         self.book.add(Flight(request_id=r.request_id, tenant=r.tenant, decoder=d.decoder, prefiller=d.prefiller,
                              charged=charge), now)

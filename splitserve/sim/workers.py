@@ -79,6 +79,7 @@ class Seq:
     itl_sum: float = 0.0
     itls: int = 0
     charged: int = 0
+    guaranteed: bool = False  # funded by its tenant's contract guarantee: prefillers serve it first
     # ``proto.request_key(tenant, request_id)``: how heartbeats list it and the router's ledger names it (a
     # request id is unique only within its tenant); derived from ``req`` when not given
     key: str = ""
@@ -276,7 +277,7 @@ class PrefillWorker(_Worker):
         s.cached_tokens = min(hit * self.bs, s.req.prompt_tokens - 1)
         s.todo = s.req.prompt_tokens - s.cached_tokens
         self.queued_tokens += s.todo
-        self.q.push(s.req.tenant, s.todo, s)
+        self.q.push(s.req.tenant, s.todo, s, s.guaranteed)
         if not self.busy:
             self._step(None)
 

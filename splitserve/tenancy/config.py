@@ -15,6 +15,11 @@ limits, and how each tenant authenticates to NATS (and to the HTTP front door).
         max_inflight: 200
         cache_group: shared-prompts  # optional: tenants naming the same group share cached prefixes
         slo: {ttft_p99_ms: 800, itl_p99_ms: 60}  # optional latency targets (also under defaults:)
+        priority: 0            # priority class, 0 the most urgent (the default)
+        contract:              # optional: splitserve.tenancy.contracts
+          prefill_tokens_per_s: {guaranteed: 20000, burst: 60000}
+          decode_slots: {guaranteed: 32, burst: 128}
+          slo: {ttft_p99_ms: 800}   # the same as slo: above (both may be given: these win)
       batch-jobs: {}
 
 A limit left out (or null) means unlimited. Without a tenants file the cluster runs open: any tenant name,
@@ -43,6 +48,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from splitserve.proto.subjects import check_token
+from splitserve.tenancy.contracts import Contract
 
 
 class TenantSlo(BaseModel):
@@ -62,10 +68,21 @@ class TenantSlo(BaseModel):
         return out if out.ttft_p99_ms is not None or out.itl_p99_ms is not None else None
 
 
+class TenantContract(Contract):
+    """A tenant's contract (:mod:`splitserve.tenancy.contracts`), with its latency targets beside it."""
+
+    slo: TenantSlo | None = None
+
+
 class TenantLimits(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     weight: float = Field(default=1.0, gt=0.0, le=1000.0)
+    # The tenant's priority class, 0 the most urgent: its queued requests go before those of less urgent classes
+    # in the same contract band (:class:`~splitserve.tenancy.contracts.ContractGate`).
+    priority: int = Field(default=0, ge=0, le=9, strict=True)
+    # Guaranteed and burst prefill tokens per second and decode slots (None: none, no caps).
+    contract: TenantContract | None = None
     max_inflight: int | None = Field(default=None, ge=1)
     max_queued: int | None = Field(default=None, ge=0)
     tokens_per_minute: int | None = Field(default=None, ge=1)
@@ -123,8 +140,9 @@ class TenantSpec(TenantLimits):
         return None if v is None else check_token(v, "cache_group")
 
 
-# ``slo`` is merged target by target (``limits``), not replaced whole as a limit is.
-_LIMIT_FIELDS = tuple(f for f in TenantLimits.model_fields if f != "slo")
+# ``slo`` is merged target by target (``limits``), not replaced whole as a limit is; ``contract`` is replaced whole
+# but kept a model (``limits``).
+_LIMIT_FIELDS = tuple(f for f in TenantLimits.model_fields if f not in ("slo", "contract"))
 
 
 class TenantsConfig(BaseModel):
@@ -134,6 +152,13 @@ class TenantsConfig(BaseModel):
     tenants: dict[str, TenantSpec] = Field(default_factory=dict)
     # Open mode (no tenants file): any tenant name is served with the defaults.
     open: bool = False
+
+    @field_validator("defaults")
+    @classmethod
+    def _no_default_guarantee(cls, v: TenantLimits) -> TenantLimits:
+        if v.contract is not None and v.contract.guarantees():
+            raise ValueError("a guarantee is bought per tenant: defaults.contract may set burst caps only")
+        return v
 
     @field_validator("tenants")
     @classmethod
@@ -157,16 +182,37 @@ class TenantsConfig(BaseModel):
         spec = self.tenants.get(tenant)
         if spec is None:
             return self.defaults if self.open else None
-        own = spec.model_dump(include=set(_LIMIT_FIELDS), exclude_unset=True)
-        if spec.slo is not None or self.defaults.slo is not None:
+        own: dict[str, Any] = spec.model_dump(include=set(_LIMIT_FIELDS), exclude_unset=True)
+        if "contract" in spec.model_fields_set:
+            own["contract"] = spec.contract
+        contract_slo = spec.contract.slo if spec.contract is not None else None
+        if spec.slo is not None or self.defaults.slo is not None or contract_slo is not None:
             base = self.defaults.slo or TenantSlo()
-            own["slo"] = base.merged(spec.slo)
+            merged = base.merged(spec.slo) or TenantSlo()
+            own["slo"] = merged.merged(contract_slo)
         return self.defaults.model_copy(update=own)
 
     def slo(self, tenant: str) -> TenantSlo | None:
         """A tenant's effective latency targets (its own over the defaults', target by target); None: none."""
         lim = self.limits(tenant)
         return lim.slo if lim is not None else None
+
+    def contract(self, tenant: str) -> TenantContract | None:
+        lim = self.limits(tenant)
+        return lim.contract if lim is not None else None
+
+    def priority(self, tenant: str) -> int:
+        lim = self.limits(tenant)
+        return lim.priority if lim is not None else 0
+
+    def contracts(self) -> dict[str, TenantContract]:
+        """The contracts of the named tenants that have one (their own or the defaults')."""
+        out = {}
+        for t in self.tenants:
+            c = self.contract(t)
+            if c is not None:
+                out[t] = c
+        return out
 
     def weight(self, tenant: str) -> float:
         lim = self.limits(tenant)

@@ -8,6 +8,10 @@ were set. A :class:`FairQueue` keeps one queue per tenant and serves the backlog
 weighted token count next (:class:`~splitserve.tenancy.fairshare.FairScheduler`, with its rule that an idle
 tenant banks no credit); within a tenant, first come first served.
 
+Guaranteed items (``push(..., guaranteed=True)``: funded by their tenant's contract guarantee, see
+:mod:`splitserve.tenancy.contracts`) are served before every other item, fairly between their tenants in the same
+way; the rest share what is left.
+
 Pure and synchronous: the live prefiller and the simulator's prefill workers use the same class.
 """
 
@@ -24,68 +28,88 @@ __all__ = ["FairQueue"]
 T = TypeVar("T")
 
 
-class FairQueue(Generic[T]):
-    """Items queued per tenant, each with the tokens it will cost; ``pop`` serves tenants by weighted tokens."""
+class _Band(Generic[T]):
+    """Items queued per tenant, with the fair scheduler that orders the tenants."""
 
-    def __init__(self, weight_of: Callable[[str], float] | None = None) -> None:
-        self._q: dict[str, deque[tuple[int, T]]] = {}
-        self._pending: dict[str, int] = {}  # tenant -> items queued (what the scheduler compares)
-        self._sched = FairScheduler(weight_of)
-        self._n = 0
+    def __init__(self, weight_of: Callable[[str], float] | None) -> None:
+        self.q: dict[str, deque[tuple[int, T]]] = {}
+        self.pending: dict[str, int] = {}  # tenant -> items queued (what the scheduler compares)
+        self.sched = FairScheduler(weight_of)
 
     def push(self, tenant: str, tokens: int, item: T) -> None:
-        self._q.setdefault(tenant, deque()).append((max(0, tokens), item))
-        self._pending[tenant] = self._pending.get(tenant, 0) + 1
-        self._n += 1
+        self.q.setdefault(tenant, deque()).append((max(0, tokens), item))
+        self.pending[tenant] = self.pending.get(tenant, 0) + 1
 
-    def _next_tenant(self) -> str:
-        tenant = self._sched.pick(self._pending)
-        if tenant is None:
-            raise IndexError("pop from an empty FairQueue")
-        return tenant
+    def next_tenant(self) -> str | None:
+        return self.sched.pick(self.pending) if self.pending else None
 
-    def peek(self) -> T:
-        """What :meth:`pop` would return next (IndexError when empty)."""
-        return self._q[self._next_tenant()][0][1]
-
-    def pop(self) -> T:
-        """The next item: the oldest of the backlogged tenant with the fewest weighted tokens served."""
-        tenant = self._next_tenant()
-        tokens, item = self._q[tenant].popleft()
-        self._sched.charge(tenant, tokens)
-        self._took(tenant)
-        return item
-
-    def _took(self, tenant: str) -> None:
-        self._n -= 1
-        left = self._pending[tenant] - 1
+    def took(self, tenant: str) -> None:
+        left = self.pending[tenant] - 1
         if left:
-            self._pending[tenant] = left
+            self.pending[tenant] = left
         else:  # an idle tenant keeps no queue (the scheduler forgets its backlog at the next pick)
-            del self._pending[tenant]
-            del self._q[tenant]
+            del self.pending[tenant]
+            del self.q[tenant]
 
     def remove(self, match: Callable[[T], bool]) -> list[T]:
-        """Take every queued item ``match`` accepts out of the queue (no charge), oldest first per tenant."""
         gone: list[T] = []
-        for tenant in list(self._q):
+        for tenant in list(self.q):
             kept: deque[tuple[int, T]] = deque()
-            for tokens, item in self._q[tenant]:
+            for tokens, item in self.q[tenant]:
                 if match(item):
                     gone.append(item)
-                    self._took_quietly(tenant)
+                    self.pending[tenant] -= 1
                 else:
                     kept.append((tokens, item))
             if kept:
-                self._q[tenant] = kept
+                self.q[tenant] = kept
             else:
-                self._q.pop(tenant, None)
-                self._pending.pop(tenant, None)
+                self.q.pop(tenant, None)
+                self.pending.pop(tenant, None)
         return gone
 
-    def _took_quietly(self, tenant: str) -> None:
+
+class FairQueue(Generic[T]):
+    """Items queued per tenant, each with the tokens it will cost; ``pop`` serves guaranteed items first, and
+    tenants by weighted tokens within each band."""
+
+    def __init__(self, weight_of: Callable[[str], float] | None = None) -> None:
+        self._bands: tuple[_Band[T], _Band[T]] = (_Band(weight_of), _Band(weight_of))  # guaranteed, the rest
+        self._n = 0
+
+    def push(self, tenant: str, tokens: int, item: T, guaranteed: bool = False) -> None:
+        self._bands[0 if guaranteed else 1].push(tenant, tokens, item)
+        self._n += 1
+
+    def _next(self) -> tuple[_Band[T], str]:
+        for band in self._bands:
+            tenant = band.next_tenant()
+            if tenant is not None:
+                return band, tenant
+        raise IndexError("pop from an empty FairQueue")
+
+    def peek(self) -> T:
+        """What :meth:`pop` would return next (IndexError when empty)."""
+        band, tenant = self._next()
+        return band.q[tenant][0][1]
+
+    def pop(self) -> T:
+        """The next item: the oldest of the backlogged tenant with the fewest weighted tokens served, guaranteed
+        items first."""
+        band, tenant = self._next()
+        tokens, item = band.q[tenant].popleft()
+        # Both bands' schedulers are charged: a tenant's guaranteed prompts count against its share of the rest.
+        for b in self._bands:
+            b.sched.charge(tenant, tokens)
+        band.took(tenant)
         self._n -= 1
-        self._pending[tenant] -= 1
+        return item
+
+    def remove(self, match: Callable[[T], bool]) -> list[T]:
+        """Take every queued item ``match`` accepts out of the queue (no charge), oldest first per tenant."""
+        gone = [item for band in self._bands for item in band.remove(match)]
+        self._n -= len(gone)
+        return gone
 
     def clear(self) -> list[T]:
         """Empty the queue; returns what it held."""
@@ -98,11 +122,12 @@ class FairQueue(Generic[T]):
         return self._n > 0
 
     def __iter__(self) -> Iterator[T]:
-        """Every queued item (tenant by tenant, not in serving order)."""
-        for q in self._q.values():
-            for _, item in q:
-                yield item
+        """Every queued item (band by band, tenant by tenant, not in serving order)."""
+        for band in self._bands:
+            for q in band.q.values():
+                for _, item in q:
+                    yield item
 
     def served(self) -> dict[str, int]:
         """Tokens served per tenant so far (for reports and tests)."""
-        return self._sched.served()
+        return self._bands[1].sched.served()

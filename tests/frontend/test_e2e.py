@@ -28,7 +28,7 @@ PARIS: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackProc]:
-    sp = start_stack(Path(tmp_path_factory.mktemp("stack")), "--http-port", "0")
+    sp = start_stack(Path(tmp_path_factory.mktemp("stack")), "--http-port", "0", "--frontends", "2")
     try:
         assert sp.http_url, sp.output
         yield sp

@@ -91,12 +91,12 @@ async def test_restarting_each_service_fails_no_fresh_client(tmp_path: Path) -> 
         running: set[asyncio.Task[None]] = set()
         i = 0
         while not stop.is_set():
-            if len(running) < 3:  # a new client process every 1.5 s, a few at once (each costs ~0.6 CPU-s)
+            if len(running) < 3:  # a new client process every 2 s, a few at once (each costs ~0.6 CPU-s)
                 task = asyncio.ensure_future(one(i))
                 running.add(task)
                 task.add_done_callback(running.discard)
                 i += 1
-            await asyncio.sleep(1.5)
+            await asyncio.sleep(2.0)
         if running:
             await asyncio.wait(running)
 

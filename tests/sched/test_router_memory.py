@@ -14,7 +14,7 @@ from opentelemetry import trace
 
 import splitserve.services.router.core as core_mod
 from splitserve import proto
-from splitserve.services.router.core import _Rate
+from splitserve.obs.rates import EventRate
 from splitserve.services.router.service import RouterService
 from tests.recording_bus import RecordingBus
 
@@ -71,7 +71,7 @@ async def test_router_memory_does_not_grow_per_request(monkeypatch: pytest.Monke
 
 
 def test_a_rate_window_stays_bounded_when_nobody_asks() -> None:
-    r = _Rate(window_s=1.0)
+    r = EventRate(window_s=1.0)
     t = 0.0
     for _ in range(100_000):
         t += 0.001  # 1,000 events per second for 100 s

@@ -158,17 +158,6 @@ def test_mock_logprobs_are_honest() -> None:
 # --- tokenization and models ---------------------------------------------------------------------------------
 
 
-def test_plain_text_prompts_get_bos_when_the_tokenizer_adds_one() -> None:
-    from splitserve.services.router.tokenize import PromptTokenizer
-
-    t = PromptTokenizer(None)
-    req = GenerateRequest(request_id="r", tenant="t", prompt="Hello")
-    assert t.token_ids(req) == t.tok("Hello")["input_ids"]  # SmolLM2's tokenizer adds no BOS
-    t.tok.add_bos_token = True  # a Llama-style tokenizer: BOS first, as vLLM's server sends it
-    ids = t.token_ids(req)
-    assert ids[0] == t.tok.bos_token_id and ids[1:] == t.tok("Hello", add_special_tokens=False)["input_ids"]
-
-
 def test_hub_ids_resolve_from_the_local_cache_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
