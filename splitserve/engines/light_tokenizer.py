@@ -7,14 +7,16 @@ needs is smaller: the Rust ``tokenizers.Tokenizer`` behind a fast tokenizer, and
 way transformers renders it (jinja2, sandboxed, ``trim_blocks``/``lstrip_blocks``, the same ``tojson``,
 ``raise_exception`` and ``strftime_now``, the tokenizer's special tokens as variables).
 
-That smaller path is only taken when it gives exactly transformers' ids, and that is only known by asking
-transformers: :func:`vouch` loads nothing itself, it is handed the transformers tokenizer, builds the light one
-from the same files plus the template and special tokens transformers used, and compares both on probe texts and
-conversations. When they agree it writes a record, keyed by a digest of the tokenizer files' bytes and of the
-tokenizers / transformers / jinja2 versions, under ``$SPLITSERVE_HOME/tokenizers/``. :func:`vouched` finds that
-record at a later start (another router, a restart) and builds the light tokenizer without importing
-transformers; it checks the record's probe ids again before trusting it. Files changed, another library version,
-or no record: the caller loads transformers as before.
+The mock engine (a worker process that needs only a tokenizer) uses it the same way, decoding included.
+
+That smaller path is only taken when it gives exactly transformers' ids (and text, decoding back), and that is
+only known by asking transformers: :func:`vouch` loads nothing itself, it is handed the transformers tokenizer,
+builds the light one from the same files plus the template and special tokens transformers used, and compares both
+on probe texts and conversations. When they agree it writes a record, keyed by a digest of the tokenizer files'
+bytes and of the tokenizers / transformers / jinja2 versions, under ``$SPLITSERVE_HOME/tokenizers/``.
+:func:`vouched` finds that record at a later start (another router, a restart) and builds the light tokenizer
+without importing transformers; it checks the record's probe ids again before trusting it. Files changed,
+another library version, or no record: the caller loads transformers as before.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ log = logging.getLogger(__name__)
 _FILES: Final = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                  "chat_template.jinja", "chat_template.json")
 _LIBS: Final = ("tokenizers", "transformers", "jinja2")
-RECORD_VERSION: Final = 1
+RECORD_VERSION: Final = 2
 
 # What the light tokenizer must tokenize exactly as transformers before it is used: spaces, digits, non-ASCII,
 # text that looks like special tokens, the empty string; and conversations through the template.
@@ -99,16 +101,36 @@ def _compile(template: str) -> Any:
 
 
 class LightTokenizer:
-    """A fast tokenizer's Rust tokenizer and its chat template, as the router uses them (encode, render a
-    conversation and encode it), with no transformers import."""
+    """A fast tokenizer's Rust tokenizer and its chat template, with no transformers import: what the router uses
+    (encode, render a conversation and encode it), and the part of a transformers tokenizer the mock engine uses
+    (``decode``, ``apply_chat_template``, ``eos_token_id``, ``all_special_ids``, ``len``)."""
 
-    def __init__(self, directory: Path, chat_template: str | None, template_vars: dict[str, Any]) -> None:
+    def __init__(self, directory: Path, chat_template: str | None, template_vars: dict[str, Any],
+                 meta: dict[str, Any] | None = None) -> None:
         from tokenizers import Tokenizer
 
         self.rust = Tokenizer.from_file(str(directory / "tokenizer.json"))
         self.chat_template = chat_template
         self.template_vars = dict(template_vars)
         self._compiled = _compile(chat_template) if chat_template else None
+        meta = meta or {}
+        self.eos_token_id: int | None = meta.get("eos_token_id")
+        self.all_special_ids: list[int] = list(meta.get("special_ids", []))
+        self.added_tokens_decoder: dict[int, str] = {}  # what all_special_ids holds already, for the same readers
+        self._len = int(meta.get("len") or self.rust.get_vocab_size(with_added_tokens=True))
+
+    def __len__(self) -> int:
+        return self._len
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        out: str = self.rust.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return out
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tokenize: bool = True) -> Any:
+        if not add_generation_prompt:
+            raise ValueError("the light tokenizer renders conversations for a reply only")
+        return self.chat_ids(messages) if tokenize else self.render_chat(messages)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.rust.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -134,14 +156,20 @@ class LightTokenizer:
         return self.rust.normalizer
 
     def probe_ids(self) -> dict[str, Any]:
-        """The ids of every probe, as the record stores them."""
+        """The ids of every probe, and the text of decoding them back, as the record stores them."""
         texts = [[self.encode(t, True), self.encode(t, False)] for t in PROBE_TEXTS]
         chats = [self.chat_ids(list(c)) if self._compiled is not None else None for c in PROBE_CHATS]
-        return {"texts": texts, "chats": chats}
+        return {"texts": texts, "chats": chats, "decoded": _decoded(self, texts, chats)}
+
+
+def _decoded(tok: Any, texts: list[Any], chats: list[Any]) -> list[list[str]]:
+    seqs = [ids for pair in texts for ids in pair] + [c for c in chats if c is not None]
+    seqs.append(list(range(0, 64)) + [len(tok) - 1])  # the special and added tokens, and the last id
+    return [[str(tok.decode(list(ids), skip_special_tokens=skip)) for skip in (True, False)] for ids in seqs]
 
 
 def _reference_ids(tok: Any, has_template: bool) -> dict[str, Any]:
-    """The probes' ids as the transformers tokenizer ``tok`` gives them."""
+    """The probes' ids (and their decoding back) as the transformers tokenizer ``tok`` gives them."""
     texts = [[[int(i) for i in tok.encode(t, add_special_tokens=s)] for s in (True, False)] for t in PROBE_TEXTS]
     chats: list[Any] = []
     for conv in PROBE_CHATS:
@@ -152,7 +180,17 @@ def _reference_ids(tok: Any, has_template: bool) -> dict[str, Any]:
         if hasattr(out, "input_ids"):  # transformers 5 may return a BatchEncoding
             out = out["input_ids"]
         chats.append([int(i) for i in out])
-    return {"texts": texts, "chats": chats}
+    return {"texts": texts, "chats": chats, "decoded": _decoded(tok, texts, chats)}
+
+
+def _meta(tok: Any) -> dict[str, Any]:
+    """What the mock engine reads of a tokenizer besides encoding: its end-of-sequence id, its special and added
+    ids, its length."""
+    special = {int(t) for t in getattr(tok, "all_special_ids", ())}
+    special |= {int(t) for t in getattr(tok, "added_tokens_decoder", {})}
+    eos = getattr(tok, "eos_token_id", None)
+    return {"eos_token_id": int(eos) if eos is not None else None, "special_ids": sorted(special),
+            "len": len(tok)}
 
 
 def vouch(directory: str | Path, tok: Any) -> LightTokenizer | None:
@@ -171,7 +209,8 @@ def vouch(directory: str | Path, tok: Any) -> LightTokenizer | None:
                 template_vars[k] = v
             elif isinstance(v, list):
                 template_vars[k] = [str(x) for x in v]
-        light = LightTokenizer(directory, template, template_vars)
+        meta = _meta(tok)
+        light = LightTokenizer(directory, template, template_vars, meta)
         reference = _reference_ids(tok, template is not None)
         if light.probe_ids() != reference:
             log.info("the light tokenizer differs from transformers' for %s: not used", directory)
@@ -180,7 +219,7 @@ def vouch(directory: str | Path, tok: Any) -> LightTokenizer | None:
         log.info("no light tokenizer for %s: %s", directory, exc)
         return None
     record = {"version": RECORD_VERSION, "chat_template": template, "template_vars": template_vars,
-              "probes": reference}
+              "meta": meta, "probes": reference}
     path = _record_path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -205,7 +244,7 @@ def vouched(directory: str | Path) -> LightTokenizer | None:
         record = json.loads(_record_path(key).read_text(encoding="utf-8"))
         if not isinstance(record, dict) or record.get("version") != RECORD_VERSION:
             return None
-        light = LightTokenizer(directory, record["chat_template"], record["template_vars"])
+        light = LightTokenizer(directory, record["chat_template"], record["template_vars"], record["meta"])
         if light.probe_ids() != record["probes"]:
             return None
         return light

@@ -88,10 +88,18 @@ def _knob(value: float | None, env: str, default: float) -> float:
 @functools.lru_cache(maxsize=4)
 def _load_tokenizer(directory: Path, gguf_file: str | None) -> Any:
     # Tokenizer only, never weights: the same files the router tokenizes with, so ids agree. Cached because
-    # tests and benchmarks build several engines in one process and the GGUF tokenizer takes seconds.
+    # tests and benchmarks build several engines in one process and the GGUF tokenizer takes seconds. Once
+    # transformers has vouched for these files on this machine, without transformers (about 1 CPU-s less per
+    # worker start: splitserve.engines.light_tokenizer).
+    from splitserve.engines.light_tokenizer import vouch, vouched
     from splitserve.engines.tokenizer_load import load_tokenizer
 
-    return load_tokenizer(directory, gguf_file or None, local_files_only=True)
+    if not gguf_file and (light := vouched(directory)) is not None:
+        return light
+    tok = load_tokenizer(directory, gguf_file or None, local_files_only=True)
+    if not gguf_file:
+        vouch(directory, tok)  # for the next start
+    return tok
 
 
 def ordinary_token_range(tokenizer: Any, exclude: Sequence[int] = ()) -> range:

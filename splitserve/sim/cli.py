@@ -490,6 +490,6 @@ def _print_whatif(w: dict[str, Any], wall_s: float) -> None:
         typer.echo(f"verdict: ACCEPTED - every tenant that held its SLO before still holds after "
                    f"(2 simulations, {wall_s:.1f} s)")
     else:
-        typer.echo(f"verdict: REFUSED - {len(w['breaks'])} tenant(s) would break (2 simulations, {wall_s:.1f} s):")
+        typer.echo(f"verdict: REFUSED - {len(w['breaks'])} promise(s) would break (2 simulations, {wall_s:.1f} s):")
         for br in w["breaks"]:
             typer.echo(f"  {br['summary']}")

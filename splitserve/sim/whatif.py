@@ -34,7 +34,10 @@ A tenant **holds** in a run when none of its requests failed or was left unfinis
 tenant without targets holds when it is served). The change is **accepted** when every tenant that held before
 still holds after and was refused no more requests by its limits than before, and every tenant the change adds,
 or gives new targets (``set_tenant`` with ``slo``), holds after; otherwise **refused**, naming the tenants that
-break and by how much. A tenant that already failed before does not refuse the change (it is reported).
+break and by how much. A tenant that already failed before does not refuse the change (it is reported). A change
+after which the tenants' contract guarantees (``contract:``, :mod:`splitserve.tenancy.contracts`) sum past the
+pools' decode slots or prefill speed is refused too, naming the resource; the simulation itself dispatches
+through the live router's contract gate, so guarantees, caps and priority classes shape every tenant's figures.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from splitserve.sim.cluster import Sim, SimConfig
 from splitserve.sim.metrics import _pcts
 from splitserve.sim.workload import SimRequest
 from splitserve.tenancy.config import TenantsConfig, TenantSlo, TenantSpec
+from splitserve.tenancy.contracts import overcommitted
 
 __all__ = [
     "EXIT_ACCEPTED",
@@ -376,7 +380,12 @@ def _run(cfg: SimConfig, reqs: list[SimRequest], tenants: TenantsConfig) -> tupl
     sim = Sim(replace(cfg, tenants=tenants, tenants_file=None), reqs)
     res = sim.run()
     s = res.summary
+    slots = sum(w.max_seqs for w in sim.decoders)
+    rate = sum(w.rate for w in sim.prefillers) if sim.prefillers else None
     return _per_tenant(sim, tenants), {
+        # what the contracts' guarantees are checked against (splitserve.tenancy.contracts.overcommitted)
+        "capacity": {"decode_slots": slots, "prefill_tokens_per_s": rate},
+        "contract_problems": overcommitted(tenants.contracts(), slots, rate),
         "prefill": cfg.prefill, "decode": cfg.decode, "long_decode": cfg.long_decode, "gpus": cfg.gpus,
         "requests": s["requests"], "finished": s["finished"], "refused": s["refused"], "failed": s["failed"],
         "sim_s": s["sim_s"], "cache_hit_ratio": s["cache_hit_ratio"],
@@ -424,6 +433,11 @@ def what_if(cfg: SimConfig, tenants: TenantsConfig, change: Change, requests: Se
                      "slo_before": _slo_dict(tenants.slo(name)) if b else None,
                      "slo_after": _slo_dict(after_tenants.slo(name)),
                      "before": b.to_dict() if b is not None else None, "after": a.to_dict()})
+    # Guarantees the pools cannot honour after the change break the change (those already over capacity before
+    # are reported, as a tenant already failing is).
+    for problem in run_a["contract_problems"]:
+        if problem not in run_b["contract_problems"]:
+            breaks.append({"tenant": None, "reasons": [problem], "summary": f"contracts: {problem}"})
     desc: dict[str, Any] = {
         "add_tenant": [{"name": a.name, "rate_rps": a.rate_rps, "share": a.share,
                         "requests": after[a.name].requests} for a in change.add_tenant],

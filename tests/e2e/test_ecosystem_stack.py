@@ -29,7 +29,7 @@ SERVICES = ("router-0", "cache-index-0", "prefill-0", "decode-0", "decode-1", "f
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackProc]:
     sp = start_stack(Path(tmp_path_factory.mktemp("stack")), "--decode", "2", "--strategy", "session",
-                     "--transport", "tcp", "--disagg-threshold", "64", timeout=900)
+                     "--transport", "tcp", "--disagg-threshold", "64", "--frontends", "2", timeout=900)
     try:
         assert sp.http_url, sp.output
         yield sp

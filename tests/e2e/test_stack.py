@@ -247,6 +247,14 @@ def test_a_resent_request_is_reaccepted_not_run_twice(stack: StackProc) -> None:
     assert asyncio.run(go()) == list(range(24))
     assert stack.logs("router-0").count('"duplicate_request_reattached"') == 1
     assert stack.logs("decode-0").count('"request_id": "dup-req-1"') >= 1
+    # The decoder publishes the final, then its end, then logs "finished": the client may read its result first.
+    deadline = time.monotonic() + 15
+    while True:
+        finished = [ln for ln in stack.logs("decode-0").splitlines() if '"finished"' in ln and "dup-req-1" in ln]
+        if finished or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)  # a second run would have logged by now too
     finished = [ln for ln in stack.logs("decode-0").splitlines() if '"finished"' in ln and "dup-req-1" in ln]
     assert len(finished) == 1  # decoded once
 

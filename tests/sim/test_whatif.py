@@ -266,3 +266,16 @@ def test_cli_exit_codes_and_output(tmp_path: Path) -> None:
     r = runner.invoke(app, ["sim", "what-if", "--tenants", str(tmp_path / "none.yaml"), "--change", str(f["light"]),
                             "--trace", str(f["trace"])])
     assert r.exit_code == 2 and "cannot read tenants file" in r.output
+
+
+def test_a_guarantee_the_pools_cannot_honour_is_refused_and_a_resize_that_fits_it_accepted() -> None:
+    # one decoder of CFG's 256 slots: a tenant buying 300 guaranteed slots cannot be honoured
+    big = {"name": "big", "share": 0.05, "spec": {"contract": {"decode_slots": {"guaranteed": 300}}}}
+    w = what_if(CFG, TENANTS, _change({"add_tenant": big}), REQS)
+    assert w.verdict == "refused"
+    assert [b["summary"] for b in w.breaks] == [
+        "contracts: guaranteed decode slots sum to 300 (big 300) but the decoders run 256"]
+    assert w.runs["after"]["capacity"] == {"decode_slots": 256, "prefill_tokens_per_s": None}
+    grown = what_if(CFG, TENANTS, _change({"add_tenant": big, "pools": {"decode": 2}}), REQS)
+    assert grown.verdict == "accepted", grown.breaks
+    assert grown.runs["after"]["contract_problems"] == []

@@ -181,3 +181,34 @@ def test_a_tokenizer_whose_rust_side_disagrees_keeps_the_transformers_path(hf: A
     assert skewed._rust_if_same() == (None, False)
     skewed._rust, skewed._rust_chat = None, False
     assert skewed.token_ids(_req(prompt="Hello 42")) == list(hf.encode("Hello 42"))
+
+
+@pytest.fixture(scope="module")
+def light(folder: Path, hf: Any) -> light_tokenizer.LightTokenizer:
+    assert light_tokenizer.vouch(folder, hf) is not None
+    got = light_tokenizer.vouched(folder)
+    assert got is not None
+    return got
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(0, 49151), max_size=40), skip=st.booleans())
+def test_the_light_tokenizer_decodes_as_transformers(light: Any, hf: Any, ids: list[int], skip: bool) -> None:
+    # what the mock engine's detokenizer feeds it: any ids, special ones included, partial UTF-8 included
+    assert light.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_the_light_tokenizer_answers_what_the_mock_engine_reads(light: Any, hf: Any) -> None:
+    assert len(light) == len(hf) and light.eos_token_id == hf.eos_token_id
+    assert set(light.all_special_ids) == set(hf.all_special_ids) | set(hf.added_tokens_decoder)
+    msgs = [{"role": "user", "content": "Hi"}]
+    want: Any = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if hasattr(want, "input_ids") else want
+    assert light.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True) == list(want)
+
+
+def test_a_mock_worker_start_with_a_record_imports_no_transformers(light: Any) -> None:
+    code = ("import sys\nfrom splitserve.engines.mock import MockEngine\ne = MockEngine.load()\n"
+            "print(type(e.tokenizer).__name__, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "LightTokenizer False", out.stdout + out.stderr
