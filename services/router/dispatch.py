@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 
 import structlog
@@ -71,7 +72,8 @@ class Dispatch(RouterCore):
                 if self.contracts_on:
                     # Contracts: guaranteed-funded tenants first, burst within its caps and the unreserved slots;
                     # one request at a time, so that each is funded as the gate said.
-                    picked = self.contracts.pick(pending, free, self.fair.pick, self.clock())
+                    picked = self.contracts.pick(pending, free, self.fair.pick, self.clock(),
+                                                 functools.partial(self._allowed, model=m.name))
                     if picked is None:
                         break
                     tenant, self._funding[picked[0]] = picked
@@ -92,6 +94,9 @@ class Dispatch(RouterCore):
                 # trips overlap.
                 await asyncio.gather(*(self._dispatch(qmsg) for qmsg in qmsgs))
         return progressed
+
+    def _allowed(self, tenant: str, model: str) -> bool:
+        return self.tenants.allows_model(tenant, model)
 
     async def _dispatch(self, qmsg: Msg) -> None:
         try:

@@ -34,6 +34,7 @@ unless ``lora_affinity`` is off. Without pools the cluster is the one model it a
 
 from __future__ import annotations
 
+import functools
 import random
 from array import array
 from collections import deque
@@ -392,7 +393,8 @@ class Sim:
         while (free := book.free_slots(self.loop.now, lane)) > 0:
             guaranteed = False
             if self.contracts_on:  # as the live router: the contract gate, one request at a time
-                picked = self.contracts.pick(pending, free, self.fair.pick, self.loop.now)
+                uses = None if lane is None else functools.partial(self.tenants.allows_model, model=lane)
+                picked = self.contracts.pick(pending, free, self.fair.pick, self.loop.now, uses)
                 if picked is None:
                     return
                 tenant, batch, guaranteed = picked[0], 1, picked[1] is Funding.GUARANTEED

@@ -188,17 +188,21 @@ class ContractGate:
         rate_ok = st.guaranteed is None or st.guaranteed.level > 0
         return Funding.GUARANTEED if slot_ok and rate_ok else Funding.BURST
 
-    def reserved_slots(self, exclude: str | None = None) -> int:
-        """Decode slots held back for tenants' unused guarantees (``exclude``: not counting that tenant's)."""
-        return sum(max(0, g - self.running(t)) for t, g in self._slot_guarantees.items() if t != exclude)
+    def reserved_slots(self, exclude: str | None = None, uses: Callable[[str], bool] | None = None) -> int:
+        """Decode slots held back for tenants' unused guarantees (``exclude``: not counting that tenant's; ``uses``:
+        only tenants it accepts, e.g. those allowed the model whose slots these are)."""
+        return sum(max(0, g - self.running(t)) for t, g in self._slot_guarantees.items()
+                   if t != exclude and (uses is None or uses(t)))
 
     def pick(self, pending: Mapping[str, int], free_slots: int,
-             fair_pick: Callable[[Mapping[str, int]], str | None], now: float) -> tuple[str, Funding] | None:
+             fair_pick: Callable[[Mapping[str, int]], str | None], now: float,
+             uses: Callable[[str], bool] | None = None) -> tuple[str, Funding] | None:
         """The tenant to dispatch from next and its funding, or None: guaranteed-funded tenants first, then burst
         within the slots no unused guarantee holds; the most urgent priority class first within a band, then
         ``fair_pick`` (the fair scheduler's weighted tokens). A request is admitted while its bucket is above
         zero and its whole prefill comes out when it is dispatched (its size is not known before it is pulled):
-        a bucket may go below zero by one request, and refills from there."""
+        a bucket may go below zero by one request, and refills from there. ``uses(tenant)``: whether the tenant
+        may use these slots (a served model's; None: every tenant), so only those tenants' guarantees hold them."""
         if free_slots <= 0:
             return None
         bands: dict[Funding, dict[str, int]] = {Funding.GUARANTEED: {}, Funding.BURST: {}}
@@ -212,7 +216,7 @@ class ContractGate:
             cands = bands[band]
             if band is Funding.BURST:
                 # Burst may only use slots beyond the unused guarantees of the tenants that are not in it.
-                cands = {t: n for t, n in cands.items() if free_slots > self.reserved_slots(exclude=t)}
+                cands = {t: n for t, n in cands.items() if free_slots > self.reserved_slots(t, uses)}
             if not cands:
                 continue
             urgent = min(self._priority_of(t) for t in cands)

@@ -205,3 +205,14 @@ def test_up_refuses_contracts_its_workers_cannot_honour(tmp_path: Path) -> None:
     assert res.exit_code == 2
     assert "guaranteed decode slots sum to 36 (a 20, b 16) but the decoders run 32" in res.output
     assert not (tmp_path / "state").exists()  # refused before anything started
+
+
+def test_a_guarantee_holds_back_only_the_slots_of_models_its_tenant_may_use() -> None:
+    cfg = _cfg({"gold": {"models": ["alpha"], "contract": {"decode_slots": {"guaranteed": 3}}}, "flood": {}})
+    c = _Cluster(cfg)
+
+    def pick(model: str) -> tuple[str, Funding] | None:
+        return c.gate.pick({"flood": 9}, 3, c.fair.pick, 0.0, lambda t: cfg.allows_model(t, model))
+
+    assert pick("alpha") is None  # alpha's 3 free slots are gold's
+    assert pick("beta") == ("flood", Funding.BURST)  # gold may not use beta: nothing held back there
