@@ -193,7 +193,12 @@ class ConsoleData:
         if self.tenants is None:
             return None
         lim = self.tenants.limits(tenant)
-        return None if lim is None else {k: getattr(lim, k) for k in LIMIT_FIELDS}
+        if lim is None:
+            return None
+        out = {k: getattr(lim, k) for k in LIMIT_FIELDS}
+        out["priority"] = lim.priority
+        out["contract"] = lim.contract.model_dump(exclude_none=True) if lim.contract is not None else None
+        return out
 
     async def tenant_view(self, only: str | None) -> dict[str, Any]:
         """Queue report rows (with limits, recent rates and history), for every tenant or only ``only``."""
@@ -202,7 +207,8 @@ class ConsoleData:
         head: dict[str, Any] = {}
         try:
             rep = await self.queue_report()
-            head = {"router_id": rep.router_id, "capacity": rep.capacity, "running": rep.running}
+            head = {"router_id": rep.router_id, "capacity": rep.capacity, "running": rep.running,
+                    "contract_problems": rep.contract_problems}
             rows = [r.model_dump() for r in rep.tenants]
         except Exception as exc:
             error = f"no router answered the queue report: {exc or type(exc).__name__}"

@@ -160,6 +160,7 @@ async def test_admin_sees_the_whole_cluster(http: httpx2.AsyncClient, nc: Any) -
     assert set(rows) == {"A", "B"}
     assert rows["A"]["queued"] == 3 and rows["A"]["limits"]["max_inflight"] == 8
     assert rows["A"]["limits"]["tokens_per_minute"] == 1000 and rows["B"]["refused_per_s"] == 0.5
+    assert rows["A"]["limits"]["contract"] is None and rows["A"]["limits"]["priority"] == 0
 
     u = (await http.get("/console/api/usage?since=1h", headers=as_(ADMIN))).json()
     assert u["tenants"]["A"]["prompt_tokens"] == 100 and u["tenants"]["B"]["by_error"] == {"quota_exceeded": 1}

@@ -148,13 +148,15 @@ async function renderCluster() {
 async function renderTenants() {
   const q = await api("/tenants");
   banner(q.error);
+  const overCommitted = (q.contract_problems || []).map((p) => `contracts over capacity: ${p}`).join("; ");
   $("queue-head").textContent = q.router_id
     ? `router ${q.router_id}: ${q.capacity} free decode slots, ${q.running} running; rates over the last 10 s`
+      + (overCommitted ? ` — ${overCommitted}` : "")
     : state.who.admin ? "" : `your tenant: ${state.who.tenant}`;
   const totalServed = q.tenants.reduce((a, r) => a + (r.served_tokens || 0), 0) || 1;
   table($("tenants"), [["tenant"], ["weight", "num"], ["queued", "num"], ["by class"], ["running", "num"],
     ["in flight", "num"], ["oldest wait", "num"], ["refused/s", "num"], ["requests/s", "num"],
-    ["tokens/min vs quota"], ["fair-share served", "num"], ["queued · tokens/min (10 min)"]],
+    ["tokens/min vs quota"], ["fair-share served", "num"], ["contract"], ["queued · tokens/min (10 min)"]],
   q.tenants.map((r) => {
     const lim = r.limits || {};
     const classes = Object.entries(r.queued_by_class || {}).filter(([, v]) => v)
@@ -169,11 +171,32 @@ async function renderTenants() {
       td(el("div", { class: "inline", style: { margin: 0, gap: "8px" } }, meter(tpm, lim.tokens_per_minute),
         el("span", {}, `${num(tpm)}${lim.tokens_per_minute ? " / " + num(lim.tokens_per_minute) : ""}`))),
       td(`${num(r.served_tokens || 0)} (${num((100 * (r.served_tokens || 0)) / totalServed, 0)}%)`, "num"),
+      td(contractCell(r, lim)),
       td(el("div", { class: "inline", style: { margin: 0, gap: "4px" } },
         spark((r.history || {}).queued, { color: "#d97706" }),
         spark((r.history || {}).tokens_last_minute, { color: "#2563eb" }))));
   }));
   await renderUsage();
+}
+
+// A tenant's contract: how its next request would be funded now, its running requests over every router against
+// its guaranteed / burst decode slots, its prefill rates, its priority class.
+function contractCell(r, lim) {
+  const c = lim.contract;
+  if (!c && r.funding == null) return "-";
+  const slots = (c && c.decode_slots) || {};
+  const rate = (c && c.prefill_tokens_per_s) || {};
+  const parts = [];
+  if (r.cluster_running != null) {
+    parts.push(`run ${num(r.cluster_running)}${slots.guaranteed ? ` · g ${num(slots.guaranteed)}` : ""}`
+      + `${slots.burst ? ` · cap ${num(slots.burst)}` : ""}`);
+  }
+  if (rate.guaranteed || rate.burst) {
+    parts.push(`prefill ${rate.guaranteed ? "g " + num(rate.guaranteed) : ""}${rate.burst ? " cap " + num(rate.burst) : ""}/s`);
+  }
+  parts.push(`class ${lim.priority ?? r.priority ?? 0}`);
+  return el("div", { class: "inline", style: { margin: 0, gap: "6px" } },
+    r.funding ? el("span", { class: `badge ${r.funding}` }, r.funding) : "", el("span", {}, parts.join(" · ")));
 }
 
 async function renderUsage() {
