@@ -209,9 +209,12 @@ def test_the_committed_examples_are_valid() -> None:
     root = Path(__file__).resolve().parents[2] / "deploy" / "whatif"
     tenants = load_tenants(root / "tenants.yaml")
     assert tenants.slo("search") == TenantSlo(ttft_p99_ms=20000, itl_p99_ms=80)
-    for name in ("add-analytics.yaml", "add-analytics-resized.yaml"):
+    for name in ("add-analytics.yaml", "add-analytics-resized.yaml", "add-analytics-search-guaranteed.yaml"):
         after = apply_change(tenants, load_change(root / name))
         assert "analytics" in after.tenants
+    guaranteed = apply_change(tenants, load_change(root / "add-analytics-search-guaranteed.yaml"))
+    contract = guaranteed.contract("search")
+    assert contract is not None and contract.prefill_tokens_per_s is not None
 
 
 # --- the CLI ----------------------------------------------------------------------------------------------------
