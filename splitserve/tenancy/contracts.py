@@ -130,6 +130,7 @@ class ContractGate:
         their number (default: the only one)."""
         self._contract_of = contract_of
         self._priority_of = priority_of
+        self._priority: dict[str, int] = {}  # the tenants file is read once: each tenant's class, when first asked
         self._own_running = own_running
         self._router_share = router_share or (lambda: (0, 1))
         self._slot_guarantees = {t: c.decode_slots.guaranteed for t, c in (named or {}).items()
@@ -219,11 +220,17 @@ class ContractGate:
                 cands = {t: n for t, n in cands.items() if free_slots > self.reserved_slots(t, uses)}
             if not cands:
                 continue
-            urgent = min(self._priority_of(t) for t in cands)
-            chosen = fair_pick({t: n for t, n in cands.items() if self._priority_of(t) == urgent})
+            urgent = min(self._class(t) for t in cands)
+            chosen = fair_pick({t: n for t, n in cands.items() if self._class(t) == urgent})
             if chosen is not None:
                 return chosen, band
         return None
+
+    def _class(self, tenant: str) -> int:
+        c = self._priority.get(tenant)
+        if c is None:
+            c = self._priority[tenant] = self._priority_of(tenant)
+        return c
 
     def dispatched(self, tenant: str, prefill_tokens: int, now: float) -> None:
         """A request of ``tenant`` was dispatched: its prefill tokens come out of its buckets (its slot is counted
