@@ -222,7 +222,7 @@ def vouch(directory: str | Path, tok: Any) -> LightTokenizer | None:
               "meta": meta, "probes": reference}
     path = _record_path(key)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # only this user may vouch for a tokenizer
         fd, tmp = tempfile.mkstemp(prefix=".tok-", dir=path.parent)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(record, f)

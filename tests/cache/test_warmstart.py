@@ -56,12 +56,24 @@ async def _setup_cache_index(nc: NATS) -> None:
     await js.create_object_store(BUCKET, config=ObjectStoreConfig())
 
 
-async def _snapshot(nc: NATS, reference: PrefixIndex) -> int:
-    """What the cache-index service stores: the index as of the stream's last sequence."""
+async def _stored(nc: NATS, published: int, timeout: float = 60.0) -> int:
+    """Wait until the stream holds the ``published`` batches sent so far (they are plain publishes: a busy
+    server stores them a while after the flush); its last sequence."""
     js = nc.jetstream()
     await nc.flush()
-    await asyncio.sleep(0.1)  # stored
-    seq = (await js.stream_info(STREAM)).state.last_seq
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        seq = int((await js.stream_info(STREAM)).state.last_seq)
+        if seq >= published or asyncio.get_running_loop().time() > deadline:
+            return seq
+        await asyncio.sleep(0.05)
+
+
+async def _snapshot(nc: NATS, reference: PrefixIndex, published: int) -> int:
+    """What the cache-index service stores: the index as of the stream's last sequence (once the ``published``
+    batches are stored)."""
+    js = nc.jetstream()
+    seq = await _stored(nc, published)
     store = await js.object_store(BUCKET)
     await store.put(SNAPSHOT_KEY, msgpack.packb({"stream_seq": seq, "index": reference.snapshot()}))
     return int(seq)
@@ -114,9 +126,10 @@ async def test_snapshot_replay_and_live_handoff_apply_each_batch_once(nc: NATS) 
 
     await pub(w1, 10)
     await pub(w3, 3)
-    snap_seq = await _snapshot(nc, reference)  # covers w1 0..9, w3 0..2
+    snap_seq = await _snapshot(nc, reference, 13)  # covers w1 0..9, w3 0..2
     await pub(w1, 10)  # after the snapshot: replayed
     await pub(w2, 5)
+    await _stored(nc, 13 + 15)
 
     async def during() -> None:
         # Held by the live subscription AND in the stream before the replay reads its end: the overlap the
@@ -125,6 +138,7 @@ async def test_snapshot_replay_and_live_handoff_apply_each_batch_once(nc: NATS) 
         w3.restart()
         await pub(w3, 2)
         await pub(w2)
+        await _stored(nc, 13 + 15 + 6)
 
     async def after() -> None:
         await pub(w1, 2)
@@ -206,11 +220,10 @@ async def test_warm_start_cost(nc: NATS) -> None:
     for w in workers:
         for _ in range(50):
             reference.apply(await w.publish(blocks=40))
-    snap_seq = await _snapshot(nc, reference)
+    snap_seq = await _snapshot(nc, reference, 64 * 50)
     for i in range(5000):
         reference.apply(await workers[i % 64].publish(blocks=8))
-    await nc.flush()
-    await asyncio.sleep(0.5)
+    await _stored(nc, 64 * 50 + 5000)
     replica = PrefixIndex()
     rep, _ = await _warm(nc, replica, budget_s=10.0)
     assert rep.snapshot_seq == snap_seq and rep.replayed == 5000 and rep.complete
