@@ -204,6 +204,7 @@ async def test_the_time_bound_holds_and_what_was_loaded_stays(nc: NATS) -> None:
     w = Worker(nc, "w1")
     for _ in range(10_000):  # ~0.4 s to replay
         reference.apply(await w.publish())
+    await _stored(nc, 10_000)
     replica = PrefixIndex()
     t0 = time.monotonic()
     rep, _ = await _warm(nc, replica, budget_s=0.15)
