@@ -50,7 +50,7 @@ from splitserve.runtime.workqueue import WorkQueue
 from splitserve.services.router.models import ModelTable
 from splitserve.services.router.shared import CorruptRecord, RequestRegistry, SharedQuota
 from splitserve.tenancy import TenantsConfig, load_tenants
-from splitserve.tenancy.contracts import ContractGate, Funding
+from splitserve.tenancy.contracts import ContractGate
 from splitserve.tenancy.fairshare import FairScheduler
 from splitserve.tenancy.intake_rate import IntakeBudget
 from splitserve.tenancy.quota import QuotaBook
@@ -134,7 +134,6 @@ class RouterCore(Service):
         self.contracts = ContractGate(self.tenants.contract, self.tenants.priority, self._own_running,
                                       self.tenants.contracts(), self._router_share)
         self.contracts_on = bool(self.tenants.contracts()) or self.tenants.defaults.contract is not None
-        self._funding: dict[str, Funding] = {}  # tenant -> how its request being dispatched is funded
         self._remote_running: dict[str, tuple[float, dict[str, int]]] = {}  # router -> (heard at, running)
         self._contract_problems: list[str] = []  # what the live workers cannot honour now (peers' check)
         self.use_queue = queue
@@ -375,8 +374,8 @@ class RouterCore(Service):
 
     # --- provided by the parts (declared here so each part type-checks on its own) ---------------------------
     async def _route(self, req: GenerateRequest, ids: list[int], msg: Msg | None, sp: trace.Span,
-                     queue_msg: Msg | None = None,
-                     record: tuple[RequestRecord, int] | None = None) -> Inflight | None:
+                     queue_msg: Msg | None = None, record: tuple[RequestRecord, int] | None = None,
+                     guaranteed: bool = False) -> Inflight | None:
         """Route a request and hand it to its worker(s): :mod:`.dispatch`."""
         raise NotImplementedError
 

@@ -76,29 +76,28 @@ class Dispatch(RouterCore):
                                                  functools.partial(self._allowed, model=m.name))
                     if picked is None:
                         break
-                    tenant, self._funding[picked[0]] = picked
-                    batch = 1
+                    tenant, guaranteed, batch = picked[0], picked[1] is Funding.GUARANTEED, 1
                 else:
                     fair = self.fair.pick(pending)
                     if fair is None:
                         break
-                    tenant = fair
                     # A few at a time when many slots are free (one round trip to the server for several
                     # requests); few enough that the fair scheduler still decides at a fine grain.
-                    batch = dispatch_batch(free)
+                    tenant, guaranteed, batch = fair, False, dispatch_batch(free)
                 qmsgs = await self.wq.fetch(tenant, batch, m.pool)
                 if not qmsgs:
                     continue
                 progressed = True
                 # Each dispatch claims its request with one compare-and-set on the registry: the batch's round
                 # trips overlap.
-                await asyncio.gather(*(self._dispatch(qmsg) for qmsg in qmsgs))
+                await asyncio.gather(*(self._dispatch(qmsg, guaranteed) for qmsg in qmsgs))
         return progressed
 
     def _allowed(self, tenant: str, model: str) -> bool:
         return self.tenants.allows_model(tenant, model)
 
-    async def _dispatch(self, qmsg: Msg) -> None:
+    async def _dispatch(self, qmsg: Msg, guaranteed: bool = False) -> None:
+        """``guaranteed``: the contract gate funded this pull by the tenant's guarantee."""
         try:
             q = proto.decode(qmsg.data, QueuedRequest)
         except proto.ProtocolError as exc:
@@ -129,11 +128,11 @@ class Dispatch(RouterCore):
                 return
             self._claiming.add(key)
             try:
-                await self._dispatch_claimed(q, qmsg, sp)
+                await self._dispatch_claimed(q, qmsg, sp, guaranteed)
             finally:
                 self._claiming.discard(key)
 
-    async def _dispatch_claimed(self, q: QueuedRequest, qmsg: Msg, sp: trace.Span) -> None:
+    async def _dispatch_claimed(self, q: QueuedRequest, qmsg: Msg, sp: trace.Span, guaranteed: bool = False) -> None:
         req = q.request
         claimed = await self._claim(q, qmsg, sp)
         if claimed is None:
@@ -146,7 +145,8 @@ class Dispatch(RouterCore):
             await qmsg.ack()
             return
         self._rate(req.tenant, "dispatched").add(self.clock())
-        inf = await self._route(req, list(q.prompt_token_ids), None, sp, queue_msg=qmsg, record=(rec, rev))
+        inf = await self._route(req, list(q.prompt_token_ids), None, sp, queue_msg=qmsg, record=(rec, rev),
+                                guaranteed=guaranteed)
         if inf is None:
             await qmsg.ack()  # answered with a terminal error (and settled)
 
@@ -288,10 +288,11 @@ class Dispatch(RouterCore):
                         await inf.queue_msg.in_progress()
 
     async def _route(self, req: GenerateRequest, ids: list[int], msg: Msg | None, sp: trace.Span,
-                     queue_msg: Msg | None = None,
-                     record: tuple[RequestRecord, int] | None = None) -> Inflight | None:
+                     queue_msg: Msg | None = None, record: tuple[RequestRecord, int] | None = None,
+                     guaranteed: bool = False) -> Inflight | None:
         """Decide where the request runs and hand it to the worker(s). With ``msg`` (no queue), answers the
-        caller's request; otherwise a failure goes to the request's stream subject."""
+        caller's request; otherwise a failure goes to the request's stream subject. ``guaranteed``: funded by
+        its tenant's contract guarantee (prefillers serve it first)."""
         log = self.log.bind(request_id=req.request_id, tenant=req.tenant)
         now = self.clock()
         salt = self._cache_salt(req)
@@ -319,7 +320,7 @@ class Dispatch(RouterCore):
             # the policy knows the request by its key (tenant.id); the caller by its id
             decision={**decision.to_dict(), "request_id": req.request_id, "router": self.worker_id},
             stream=req.stream, cache_salt=salt, lora=req.lora, weight=self.tenants.weight(req.tenant),
-            guaranteed=self._funding.pop(req.tenant, None) is Funding.GUARANTEED,
+            guaranteed=guaranteed,
         )
         charge = len(ids) + req.sampling.max_tokens
         inf = Inflight(request_id=req.request_id, tenant=req.tenant, stream_subject=req.stream_subject,

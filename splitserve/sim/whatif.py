@@ -50,14 +50,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from splitserve.proto.subjects import check_token
 from splitserve.sim.cluster import Sim, SimConfig
 from splitserve.sim.metrics import _pcts
 from splitserve.sim.workload import SimRequest
-from splitserve.tenancy.config import TenantsConfig, TenantSlo, TenantSpec
+from splitserve.tenancy.config import TenantsConfig, TenantSlo, TenantSpec, read_yaml_file
 from splitserve.tenancy.contracts import overcommitted
 
 __all__ = [
@@ -183,12 +182,7 @@ def _errors(exc: ValidationError) -> str:
 def load_change(path: str | Path) -> Change:
     """Parse and validate a change file; raises :class:`WhatIfError` naming the file and the problem."""
     p = Path(path)
-    try:
-        raw: Any = yaml.safe_load(p.read_text())
-    except OSError as exc:
-        raise WhatIfError(f"cannot read change file {p}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise WhatIfError(f"change file {p} is not valid YAML: {exc}") from None
+    raw = read_yaml_file(p, "change file", WhatIfError)
     if not isinstance(raw, dict):
         raise WhatIfError(f"change file {p}: expected a mapping with add_tenant, set_tenant and/or pools")
     try:

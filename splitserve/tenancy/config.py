@@ -240,15 +240,21 @@ class TenantsConfig(BaseModel):
         return combine_cache_salt("t", tenant, request_salt)
 
 
+def read_yaml_file(path: Path, what: str, error: type[ValueError] = ValueError) -> Any:
+    """The YAML (or JSON) document in ``path``; raises ``error`` naming ``what`` file it is and why it cannot be
+    read or parsed (the tenants file, a what-if's change file)."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise error(f"cannot read {what} {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise error(f"{what} {path} is not valid YAML: {exc}") from None
+
+
 def load_tenants(path: str | Path) -> TenantsConfig:
     """Parse and validate a tenants file (YAML or JSON); raises ValueError naming the file and the problem."""
     p = Path(path)
-    try:
-        raw: Any = yaml.safe_load(p.read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read tenants file {p}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"tenants file {p} is not valid YAML: {exc}") from None
+    raw = read_yaml_file(p, "tenants file")
     if not isinstance(raw, dict) or not raw.get("tenants"):
         raise ValueError(f"tenants file {p}: expected a mapping with a non-empty 'tenants:' section")
     raw["tenants"] = {k: (v or {}) for k, v in raw["tenants"].items()}

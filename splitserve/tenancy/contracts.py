@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Final
+from typing import Final, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -50,34 +50,37 @@ __all__ = ["Contract", "ContractGate", "Funding", "RateBand", "SlotBand", "overc
 BUCKET_S: Final = 1.0  # a bucket holds one second of its rate: a tenant idle for a minute banks no more
 
 
-class RateBand(BaseModel):
-    """Tokens per second: guaranteed (0: none) and the burst cap (None: no cap)."""
+class _Band(BaseModel):
+    """A guaranteed amount (0: none) and a burst cap (None: no cap) at or above it."""
 
     model_config = ConfigDict(extra="forbid")
+
+    guaranteed: float = 0.0
+    burst: float | None = None
+
+    @model_validator(mode="after")
+    def _order(self) -> Self:
+        if self.burst is not None and self.burst < self.guaranteed:
+            raise ValueError(f"burst ({_num(self.burst)}) is below guaranteed ({_num(self.guaranteed)})")
+        return self
+
+
+def _num(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+class RateBand(_Band):
+    """Tokens per second: guaranteed (0: none) and the burst cap (None: no cap)."""
 
     guaranteed: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
     burst: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
 
-    @model_validator(mode="after")
-    def _order(self) -> RateBand:
-        if self.burst is not None and self.burst < self.guaranteed:
-            raise ValueError(f"burst ({self.burst:g}) is below guaranteed ({self.guaranteed:g})")
-        return self
 
-
-class SlotBand(BaseModel):
+class SlotBand(_Band):
     """Decode slots: guaranteed (0: none) and the burst cap (None: no cap)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     guaranteed: int = Field(default=0, ge=0)
     burst: int | None = Field(default=None, ge=1)
-
-    @model_validator(mode="after")
-    def _order(self) -> SlotBand:
-        if self.burst is not None and self.burst < self.guaranteed:
-            raise ValueError(f"burst ({self.burst}) is below guaranteed ({self.guaranteed})")
-        return self
 
 
 class Contract(BaseModel):
