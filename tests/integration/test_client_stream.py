@@ -95,10 +95,13 @@ async def test_reconnect_resends_the_request_idempotently(fresh_nats: NatsServer
                 decode_worker="d")))
 
     await nc.subscribe("ss.req.acme", cb=on_req)
+    await nc.flush()  # the subscription is registered before the client sends (else its request may be lost)
     try:
         async with Client(fresh_nats.url, tenant="acme", idle_timeout=60) as c:
             task = asyncio.create_task(c.complete("x", max_tokens=1))
+            deadline = time.monotonic() + 30
             while not seen:
+                assert time.monotonic() < deadline, "the first send never arrived"
                 await asyncio.sleep(0.05)
             await asyncio.to_thread(fresh_nats.restart)  # the answer to the first send would be lost
             res = await asyncio.wait_for(task, 45)
