@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -126,8 +127,11 @@ async def test_decoder_killed_mid_stream_continues_on_another(fresh_nats: NatsSe
             procs.append(_decoder(url, logs, killed[0]))
             await wait_ready(url, [killed[0]], timeout=180)
     log = (logs / "router-m.log").read_text()
-    assert log.count('"migrated"') == 2, log[-3000:]
-    assert '"resumed_tokens": 1' in log  # resumed after the tokens streamed (seq 10 = the 11th token)
+    migrated = [r for r in map(json.loads, log.splitlines()) if r.get("event") == "migrated"]
+    assert len(migrated) == 2, log[-3000:]
+    # resumed after the tokens already streamed (the kill came at seq 10, the 11th token; how many more the
+    # decoder produced before its heartbeat named it and the SIGKILL landed depends on the machine's load)
+    assert all(11 <= r["resumed_tokens"] < 60 for r in migrated), migrated
 
 
 async def test_migrations_exhausted_is_a_precise_error(fresh_nats: NatsServer, tmp_path: Path,
