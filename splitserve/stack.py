@@ -622,9 +622,19 @@ def log_pump(src: IO[bytes], log: Path, service: str) -> None:
     """Copy a child's output into its log, one JSON object per line. The services log JSON themselves (Python
     logging included); what a native library writes straight to the file descriptor (a C++ extension's leak
     report at exit, UCX, a fatal signal's dump) is wrapped here, so every line of every log parses."""
+    read = getattr(src, "read1", None) or src.read
     with open(log, "ab", buffering=0, opener=private_opener) as out:
-        for raw in iter(src.readline, b""):
-            out.write(json_line(raw, service))
+        # Whatever the pipe holds is copied in one write (under load a service writes a line per request: a
+        # write per line cost the supervisor a system call each, ~0.3 ms of CPU per request in the hot-path
+        # bench); a line split across reads waits in ``rest`` for its end.
+        rest = b""
+        while chunk := read(1 << 16):
+            lines = (rest + chunk).split(b"\n")
+            rest = lines.pop()
+            if lines:
+                out.write(b"".join(json_line(raw, service) for raw in lines))
+        if rest:
+            out.write(json_line(rest, service))
 
 
 def json_line(raw: bytes, service: str) -> bytes:

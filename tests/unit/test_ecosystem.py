@@ -301,6 +301,33 @@ def test_ports_picked_ahead_of_binding_avoid_the_kernels_ephemeral_range() -> No
     assert free_port(mine) == mine
 
 
+def test_log_pump_copies_whole_lines_across_reads(tmp_path: Path) -> None:
+    """The supervisor copies what a pipe read returns in one write: a line cut between two reads, a raw line
+    among JSON ones and a last line with no newline still reach the log whole, one JSON object per line."""
+    import json
+
+    from splitserve.stack import log_pump
+
+    rec = b'{"event": "routed", "request_id": "r1"}'
+    data = rec + b"\n" + b"oops raw\n" + rec + b"\n" + b'{"event": "tail"}'
+    cuts = [3, 20, len(rec) + 5, len(rec) + 14, len(data) - 4, len(data)]
+
+    class Pipe:  # a pipe whose reads return the chunks above
+        def __init__(self) -> None:
+            self.chunks = [data[a:b] for a, b in zip([0, *cuts], cuts, strict=False)]
+
+        def read1(self, n: int) -> bytes:
+            return self.chunks.pop(0) if self.chunks else b""
+
+    log = tmp_path / "svc.log"
+    log_pump(Pipe(), log, "svc")  # type: ignore[arg-type]
+    lines = log.read_bytes().split(b"\n")
+    assert lines[-1] == b""
+    objs = [json.loads(x) for x in lines[:-1]]
+    assert [o["event"] for o in objs] == ["routed", "oops raw", "routed", "tail"]
+    assert objs[1]["service"] == "svc" and objs[1]["logger"] == "stderr"
+
+
 def test_raw_process_output_is_wrapped_as_json() -> None:
     import json
 
