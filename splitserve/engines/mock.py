@@ -5,10 +5,13 @@ hundreds of requests on a small machine: the real tokenizer (so token ids agree 
 real KV tensors (so the KV transports move real bytes), and sleeps instead of forward passes:
 
 - prefill sleeps ``computed_tokens / prefill_tokens_per_s`` seconds (default 50,000 tokens/s);
-- each batched ``step()`` sleeps ``step_ms`` once, however many sequences are active (default 5 ms).
+- each batched ``step()`` sleeps ``step_ms`` once, plus ``step_ms_per_seq`` for each active sequence (default
+  5 ms and 0: a real engine's step grows with its batch, which is what makes inter-token latency depend on
+  where a request is routed; the SLO-aware router learns that slope from the decoders' heartbeats).
 
-Both are loader options, also read from ``SPLITSERVE_MOCK_STEP_MS`` and ``SPLITSERVE_MOCK_PREFILL_TPS`` so that
-``splitserve up --engine mock`` and the services can be tuned without new flags (0 disables a sleep).
+They are loader options, also read from ``SPLITSERVE_MOCK_STEP_MS``, ``SPLITSERVE_MOCK_STEP_MS_PER_SEQ`` and
+``SPLITSERVE_MOCK_PREFILL_TPS`` so that ``splitserve up --engine mock`` and the services can be tuned without new
+flags (0 disables a sleep).
 
 Output: the token at position p is a pure function of (token at p - 1, p, sampling seed), drawn from the
 largest run of ordinary ids in the vocabulary, so it never emits EOS or a special token (sequences finish by
@@ -57,6 +60,7 @@ log = logging.getLogger(__name__)
 
 WARNING = "mock engine: not a model; deterministic fake tokens for control-plane load tests"
 STEP_MS_ENV = "SPLITSERVE_MOCK_STEP_MS"
+STEP_MS_PER_SEQ_ENV = "SPLITSERVE_MOCK_STEP_MS_PER_SEQ"
 PREFILL_TPS_ENV = "SPLITSERVE_MOCK_PREFILL_TPS"
 # What loading one LoRA adapter costs (ms, spent in load_lora): the control plane's adapter benchmark measures
 # what on-demand loads do to latency (on a GPU, tens to hundreds of ms per adapter).
@@ -159,6 +163,7 @@ class MockEngine(HfTokenizerMixin, Engine):
         dtype: str = "float32",
         step_ms: float | None = None,
         prefill_tokens_per_s: float | None = None,
+        step_ms_per_seq: float | None = None,
         num_layers: int = 2,
         num_kv_heads: int = 1,
         head_dim: int = 8,
@@ -168,6 +173,7 @@ class MockEngine(HfTokenizerMixin, Engine):
         log.warning(WARNING)
         self.tokenizer = tokenizer
         self.step_ms = _knob(step_ms, STEP_MS_ENV, DEFAULT_STEP_MS)
+        self.step_ms_per_seq = _knob(step_ms_per_seq, STEP_MS_PER_SEQ_ENV, 0.0)
         self.prefill_tokens_per_s = _knob(prefill_tokens_per_s, PREFILL_TPS_ENV, DEFAULT_PREFILL_TPS)
         eos = tuple(dict.fromkeys(int(t) for t in [tokenizer.eos_token_id] if t is not None))
         self.info = ModelInfo(
@@ -199,6 +205,7 @@ class MockEngine(HfTokenizerMixin, Engine):
         name: str | None = None,
         step_ms: float | None = None,
         prefill_tokens_per_s: float | None = None,
+        step_ms_per_seq: float | None = None,
         **ignored: Any,
     ) -> MockEngine:
         """Load only the tokenizer of `model` (default: the bundled SmolLM2), offline; no weights.
@@ -221,6 +228,7 @@ class MockEngine(HfTokenizerMixin, Engine):
             dtype=dtype,
             step_ms=step_ms,
             prefill_tokens_per_s=prefill_tokens_per_s,
+            step_ms_per_seq=step_ms_per_seq,
         )
         engine.load_seconds = time.perf_counter() - started
         return engine
@@ -326,8 +334,9 @@ class MockEngine(HfTokenizerMixin, Engine):
         for seq_id, seq in self._seqs.items():
             if seq.length + 2 > self.info.max_model_len:
                 raise ContextFull(seq_id, seq.length + 2, self.info.max_model_len)
-        if self.step_ms > 0:
-            time.sleep(self.step_ms / 1000)  # once per batch: a batched forward costs about one step
+        step_ms = self.step_ms + self.step_ms_per_seq * len(self._seqs)
+        if step_ms > 0:
+            time.sleep(step_ms / 1000)  # once per batch: a batched forward costs about one step, plus its batch
         out: dict[str, int] = {}
         for seq_id, seq in self._seqs.items():
             token = self.next_token(seq.last_token, seq.length + 1, seq.key)

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from splitserve.engines import Engine, Sampling, load_engine
-from splitserve.engines.mock import PREFILL_TPS_ENV, STEP_MS_ENV, WARNING, MockEngine, mock_kv
+from splitserve.engines.mock import (
+    PREFILL_TPS_ENV,
+    STEP_MS_ENV,
+    STEP_MS_PER_SEQ_ENV,
+    WARNING,
+    MockEngine,
+    mock_kv,
+)
 from splitserve.services.common.options import EngineOptions
 from tests.engines.enginetest import GREEDY, PROMPTS, EngineContract, roundtrip, run
 
@@ -120,6 +127,29 @@ def test_a_step_sleeps_once_per_batch(mock: MockEngine) -> None:
     started = time.perf_counter()
     assert empty.step() == {}  # nothing to compute: no sleep
     assert time.perf_counter() - started < 0.5
+
+
+def test_a_step_costs_more_with_a_bigger_batch(mock: MockEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``step_ms_per_seq``: a step sleeps for each active sequence too (a real engine's step grows with its
+    batch), so a decoder's inter-token latency depends on how many streams it runs."""
+    monkeypatch.setenv(STEP_MS_PER_SEQ_ENV, "10")
+    engine = MockEngine(mock.tokenizer, step_ms=0, prefill_tokens_per_s=0)
+    assert engine.step_ms_per_seq == 10.0
+    result = engine.prefill(engine.encode(PROMPTS[0]), GREEDY)
+
+    def three_steps(batch: int) -> float:
+        for i in range(batch):
+            engine.add_sequence(f"{batch}-{i}", result.kv, result.first_token, GREEDY)
+        started = time.perf_counter()
+        for _ in range(3):
+            assert len(engine.step()) == batch
+        for i in range(batch):
+            engine.remove_sequence(f"{batch}-{i}", keep_kv=False)
+        return time.perf_counter() - started
+
+    one, eight = three_steps(1), three_steps(8)
+    assert eight >= 3 * 8 * 0.010  # a sleep is never shorter than asked
+    assert eight > 3 * one  # 8 x 10 ms against 10 ms a step (a flat step cost would make them equal)
 
 
 def test_prefill_sleeps_for_the_computed_tokens_only(mock: MockEngine) -> None:
