@@ -90,13 +90,24 @@ async def _watch_terminals(url: str, tenant: str, report: LoadReport) -> Any:
 async def usage_records(url: str, tenant: str) -> dict[str, int]:
     """RequestFinished records kept in SS_USAGE per request id of this tenant."""
     from nats.js.api import ConsumerConfig, DeliverPolicy
+    from nats.js.errors import ServiceUnavailableError
 
     nc = await nats.connect(server_list(url))
     counts: dict[str, int] = defaultdict(int)
     try:
         js = nc.jetstream()
-        sub = await js.subscribe(f"ss.evt.finished.{tenant}.*", ordered_consumer=True,
-                                 config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+        # After a node was killed the cluster may still be electing its JetStream leaders: the observer's own
+        # stream lookup then answers 503 "temporarily unavailable" (CI run 39). Asked again for up to 30 s.
+        deadline = time.monotonic() + 30.0
+        while True:
+            try:
+                sub = await js.subscribe(f"ss.evt.finished.{tenant}.*", ordered_consumer=True,
+                                         config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+                break
+            except (ServiceUnavailableError, nats.errors.TimeoutError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
         while True:
             try:
                 msg = await sub.next_msg(timeout=2.0)

@@ -78,3 +78,17 @@ def test_a_rate_window_stays_bounded_when_nobody_asks() -> None:
         r.add(t)
     assert len(r._t) <= 1_100
     assert 990 <= r.per_s(t) * r.window_s <= 1_001
+
+
+def test_a_young_rate_is_read_over_its_own_age() -> None:
+    """A tenant that started 2 s ago at 5 requests/s reads as 5/s, not as its 10 events over the whole 10 s
+    window (SLO admission divides the queue ahead by this rate: a fifth of it refused a first burst)."""
+    r = EventRate(window_s=10.0)
+    assert r.per_s(0.0) == 0.0
+    for i in range(11):
+        r.add(100.0 + i * 0.2)
+    assert 5.0 <= r.per_s(102.0) <= 5.6
+    one = EventRate(window_s=10.0)
+    one.add(5.0)
+    assert one.per_s(5.0) == 1.0  # the first event alone: over at least a second
+    assert abs(r.per_s(109.0) - 11 / 9) < 1e-9 and abs(r.per_s(150.0)) < 1e-9
