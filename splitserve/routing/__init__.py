@@ -23,11 +23,13 @@ from splitserve.routing.cost import CostConfig, CostModel
 from splitserve.routing.disagg import DisaggPolicy, RouteChoice
 from splitserve.routing.kvaware import KvAwareStrategy
 from splitserve.routing.pending import PendingLoad
+from splitserve.routing.predictor import LatencyPredictor, PredictorConfig, SloEstimate
 from splitserve.routing.prefixaware import PrefixAwareStrategy
 from splitserve.routing.registry import available, make_strategy, register
 from splitserve.routing.roundrobin import RoundRobinStrategy
 from splitserve.routing.router import Router
 from splitserve.routing.session import HashRing, SessionStrategy
+from splitserve.routing.slo import SloStrategy
 
 __all__ = [
     "DECODE",
@@ -42,8 +44,10 @@ __all__ = [
     "DisaggPolicy",
     "HashRing",
     "KvAwareStrategy",
+    "LatencyPredictor",
     "NoWorkers",
     "PendingLoad",
+    "PredictorConfig",
     "PrefixAwareStrategy",
     "Role",
     "RoundRobinStrategy",
@@ -52,6 +56,8 @@ __all__ = [
     "RoutingRequest",
     "Selection",
     "SessionStrategy",
+    "SloEstimate",
+    "SloStrategy",
     "Strategy",
     "WorkerView",
     "available",

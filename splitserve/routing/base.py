@@ -58,7 +58,8 @@ class RoutingRequest:
     Give ``token_ids`` (the router hashes them lazily, once per block size) or precomputed ``block_hashes``
     (benchmarks, trace replay); ``prompt_tokens`` defaults to ``len(token_ids)``. ``cache_salt`` / ``lora``
     scope the hash chain (see :mod:`splitserve.cache.hashing`); workers must hash with the same keys for
-    their KV events to match, so tenant isolation of cache keys is opt-in per deployment.
+    their KV events to match, so tenant isolation of cache keys is opt-in per deployment. ``ttft_slo_ms`` /
+    ``itl_slo_ms``: the request's latency targets, read by the ``slo`` strategy (other strategies ignore them).
     """
 
     request_id: str
@@ -70,6 +71,9 @@ class RoutingRequest:
     cache_salt: str | None = None
     lora: str | None = None
     force_route: str | None = None  # "direct" | "disaggregated": the caller overrides the rule (debugging)
+    # Latency targets (the tenant's SLO, ms; None: none): the ``slo`` strategy and SLO admission honour them.
+    ttft_slo_ms: float | None = None
+    itl_slo_ms: float | None = None
     _hash_block_size: int = field(default=0, repr=False, compare=False)
 
     def num_prompt_tokens(self) -> int:
@@ -117,6 +121,11 @@ class WorkerView:
     prefill_tokens_per_s: float | None = None
     step_ms: float | None = None  # a decoder's recent decode step time (None = unknown)
     pool: str = "general"  # a decoder's context pool: "general" or "long" (see splitserve.routing.context)
+    # A decoder's batch size and the requests it holds but has not started (its heartbeat's max_seqs and
+    # queued_requests): only the latency predictor reads them (a request sent to a full decoder waits for a slot);
+    # the cost model's load stays what it has always weighed.
+    max_seqs: int | None = None
+    waiting: int = 0
 
     @property
     def load(self) -> int:

@@ -70,6 +70,11 @@ class Flight:
     text: list[str] = field(default_factory=list)
     next_seq: int = 0
     tracked: bool = True  # False once a delta was missed: the tokens so far are not known exactly
+    # Contracts (the driver's, for priority preemption; the simulator leaves the defaults): its tenant's priority
+    # class, whether the contract gate funded it by its tenant's guarantee, and how often it was preempted.
+    priority_class: int = 0
+    guaranteed: bool = False
+    preemptions: int = 0
     _listed_by_decoder: bool = field(default=False, repr=False)  # its decoder has listed this attempt
 
     @property

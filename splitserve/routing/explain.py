@@ -99,7 +99,8 @@ def explain(live: Router, request: RoutingRequest, views: Sequence[WorkerView], 
                 pstrat = None if live.prefill_strategy is live.strategy else _dry_copy(live.prefill_strategy,
                                                                                         live.index)
             else:
-                strat = make_strategy(name, index=live.index) if name == "kvaware" else make_strategy(name)
+                strat = (make_strategy(name, index=live.index) if name in ("kvaware", "slo")
+                         else make_strategy(name))
                 pstrat = None
                 if name == "prefixaware":
                     note = "not this router's strategy: its tree of what was routed where is empty"
@@ -112,7 +113,8 @@ def explain(live: Router, request: RoutingRequest, views: Sequence[WorkerView], 
         req = RoutingRequest(request_id=request.request_id, tenant=request.tenant, token_ids=request.token_ids,
                              block_hashes=request.block_hashes, prompt_tokens=request.prompt_tokens,
                              session_key=request.session_key, cache_salt=request.cache_salt, lora=request.lora,
-                             force_route=request.force_route)
+                             force_route=request.force_route, ttft_slo_ms=request.ttft_slo_ms,
+                             itl_slo_ms=request.itl_slo_ms)
         try:
             decision = _fresh_router(live, strat, pstrat).decide(req, views, now)
         except NoWorkers as exc:

@@ -16,7 +16,7 @@ from typing import Any
 from splitserve.cache.events import GPU
 from splitserve.cache.index import PrefixIndex
 from splitserve.routing.base import RoutingRequest, Selection, Strategy, WorkerView
-from splitserve.routing.cost import CostModel
+from splitserve.routing.cost import CostModel, Scores
 
 __all__ = ["KvAwareStrategy"]
 
@@ -44,6 +44,11 @@ class KvAwareStrategy(Strategy):
     def select(
         self, request: RoutingRequest, workers: Sequence[WorkerView], role: str, now: float, block_size: int
     ) -> Selection:
+        return self.cost.choose(self.scores(request, workers, block_size), role)
+
+    def scores(self, request: RoutingRequest, workers: Sequence[WorkerView], block_size: int) -> Scores:
+        """The shared cost of every worker for this request, with its overlap from the index (what ``select``
+        chooses from; the ``slo`` strategy filters it by predicted latency first)."""
         hashes = request.hashes(block_size)
         memo = self._memo
         if memo is not None and memo[0] is hashes and memo[1] == self.index.version:
@@ -51,8 +56,7 @@ class KvAwareStrategy(Strategy):
         else:
             cached, credit = self.overlaps(hashes)
             self._memo = (hashes, self.index.version, cached, credit)
-        scored = self.cost.score(workers, request.num_prompt_tokens(), block_size, cached, credit)
-        return self.cost.choose(scored, role)
+        return self.cost.score(workers, request.num_prompt_tokens(), block_size, cached, credit)
 
     def remove_worker(self, worker_id: str) -> None:
         # The index belongs to whoever feeds it events (the router's replica): dropping the worker there

@@ -65,6 +65,7 @@ def view_from_load(worker_id: str, role: str, pool: str, load: WorkerLoad) -> Wo
         queued_prefill_tokens=load.queued_prefill_tokens, free_blocks=load.free_blocks,
         total_blocks=load.total_blocks, used_blocks=load.used_blocks,
         prefill_tokens_per_s=load.prefill_tokens_per_s, step_ms=load.step_ms, pool=pool,
+        max_seqs=load.max_seqs, waiting=load.queued_requests if role == "decode" else 0,
     )
 
 

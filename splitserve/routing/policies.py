@@ -6,7 +6,9 @@ with long prompts disaggregates early; a small one decodes in place): :class:`Po
 rest. They share what is the cluster's, not a model's: the prefix index (blocks are keyed by a salt scoped to
 the model, so one index serves every model without a hit across them) and the pending-load ledger (a worker
 serves one model, so its pending requests are the same whichever policy sent them). What a strategy learns
-(round-robin position, prefixaware's tree, session pins) stays per policy.
+(round-robin position, prefixaware's tree, session pins) stays per policy, and so does the latency predictor each
+Router owns (``Router.predictor``): a policy decides only among its model's workers, so each learns its own
+model's step times and prefill rates, and its pooled prior is not blurred by another model's speed.
 
 Pure and synchronous (no NATS, no clock): the live router and the simulator build it with the same
 :func:`splitserve.routing.live.build_policies`.
@@ -20,6 +22,7 @@ from typing import Any
 from splitserve.cache.events import KvEventBatch
 from splitserve.cache.index import PrefixIndex
 from splitserve.routing.base import Decision, RoutingRequest, WorkerView
+from splitserve.routing.predictor import LatencyPredictor, SloEstimate
 from splitserve.routing.router import Router
 
 __all__ = ["PolicySet"]
@@ -61,6 +64,25 @@ class PolicySet:
     def decide(self, request: RoutingRequest, workers: Sequence[WorkerView], now: float,
                model: str | None = None) -> Decision:
         return self.of(model).decide(request, workers, now)
+
+    def slo_estimate(self, request: RoutingRequest, workers: Sequence[WorkerView], now: float,
+                     model: str | None = None) -> SloEstimate:
+        """``model``'s policy's :meth:`Router.slo_estimate` (admission: nothing is routed)."""
+        return self.of(model).slo_estimate(request, workers, now)
+
+    @property
+    def predictor(self) -> LatencyPredictor:
+        """The default policy's latency predictor (each model's own: :meth:`predictor_of`)."""
+        return self.default.predictor
+
+    def predictor_of(self, model: str | None = None) -> LatencyPredictor:
+        """The latency predictor of ``model``'s policy."""
+        return self.of(model).predictor
+
+    def observe_outcome(self, worker_id: str, predicted_ttft_ms: float, actual_ttft_ms: float,
+                        model: str | None = None) -> None:
+        """A finished request's measured TTFT against its prediction, to ``model``'s policy's predictor."""
+        self.of(model).predictor.observe_outcome(worker_id, predicted_ttft_ms, actual_ttft_ms)
 
     def pending_entries(self, decision: Decision) -> list[tuple[str, int, int]]:
         return self.default.pending_entries(decision)

@@ -17,6 +17,7 @@ from splitserve.routing.kvaware import KvAwareStrategy
 from splitserve.routing.prefixaware import PrefixAwareStrategy
 from splitserve.routing.roundrobin import RoundRobinStrategy
 from splitserve.routing.session import SessionStrategy
+from splitserve.routing.slo import SloStrategy
 
 __all__ = ["available", "make_strategy", "register"]
 
@@ -56,3 +57,4 @@ register("roundrobin", RoundRobinStrategy, takes_cost=False)
 register("session", SessionStrategy)
 register("prefixaware", PrefixAwareStrategy)
 register("kvaware", KvAwareStrategy)
+register("slo", SloStrategy)

@@ -14,10 +14,16 @@ simulator) shares:
 
 It raises :class:`NoWorkers` ("decode") when no decoder is live; a missing prefill pool degrades to the
 direct path (or raises ``NoWorkers("prefill")`` with ``require_prefiller=True``).
+
+The Router owns one :class:`~splitserve.routing.predictor.LatencyPredictor` (``router.predictor``): every decision
+and every :meth:`Router.slo_estimate` first lets it learn from the views given (as reported, before the
+pending-load overlay), the ``slo`` strategy predicts with it in both pools, and :meth:`Router.slo_estimate`
+answers SLO admission with it without routing anything.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +32,7 @@ from splitserve.cache.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.cache.index import PrefixIndex
 from splitserve.routing.base import (
     DECODE,
+    DIRECT,
     DISAGGREGATED,
     PREFILL,
     Decision,
@@ -39,7 +46,9 @@ from splitserve.routing.context import GENERAL, ContextPools
 from splitserve.routing.disagg import DisaggPolicy, RouteChoice
 from splitserve.routing.kvaware import KvAwareStrategy
 from splitserve.routing.pending import PendingLoad
+from splitserve.routing.predictor import LatencyPredictor, SloEstimate
 from splitserve.routing.registry import make_strategy
+from splitserve.routing.slo import SloStrategy
 
 __all__ = ["Router"]
 
@@ -56,6 +65,8 @@ class Router:
     ``pending_ttl_s``: how long a dispatched request counts on top of its workers' reported load (None:
     trust the views as given); call :meth:`release` once a heartbeat lists the request. ``context``: which
     decoders a request may use by prompt length (only matters when some decoders are a ``long`` pool).
+    ``predictor``: the latency predictor this router owns (default: the ``slo`` strategy's, else a new one);
+    every ``slo`` strategy of the router is bound to it.
     """
 
     def __init__(
@@ -71,6 +82,7 @@ class Router:
         require_prefiller: bool = False,
         pending_ttl_s: float | None = 1.0,
         context: ContextPools | None = None,
+        predictor: LatencyPredictor | None = None,
         **strategy_cfg: Any,
     ) -> None:
         if block_size <= 0:
@@ -82,7 +94,7 @@ class Router:
             min_uncached_tokens=512 if disagg_threshold is None else disagg_threshold
         )
         if isinstance(strategy, str):
-            if strategy == "kvaware":
+            if strategy in ("kvaware", "slo"):
                 index = index if index is not None else PrefixIndex()
                 strategy_cfg.setdefault("index", index)
             strategy = make_strategy(strategy, **strategy_cfg)
@@ -95,12 +107,18 @@ class Router:
             self.prefill_strategy = strategy
         elif isinstance(prefill_strategy, str):
             kw: dict[str, Any] = (
-                {"index": index} if prefill_strategy == "kvaware" and index is not None else {}
+                {"index": index} if prefill_strategy in ("kvaware", "slo") and index is not None else {}
             )
             self.prefill_strategy = make_strategy(prefill_strategy, **kw)
         else:
             self.prefill_strategy = prefill_strategy
         self.index = index
+        if predictor is None:
+            predictor = strategy.predictor if isinstance(strategy, SloStrategy) else LatencyPredictor()
+        self.predictor = predictor
+        for s in (self.strategy, self.prefill_strategy):
+            if isinstance(s, SloStrategy):
+                s.predictor = predictor
         self.observe = observe
         self.require_prefiller = require_prefiller
         self.pending = PendingLoad(pending_ttl_s) if pending_ttl_s else None
@@ -112,6 +130,7 @@ class Router:
 
     # ------------------------------------------------------------------------------------------ decide
     def decide(self, request: RoutingRequest, workers: Sequence[WorkerView], now: float) -> Decision:
+        self.predictor.observe(workers, now)  # the views as reported: the pending overlay is not a measurement
         if self.pending is not None:
             workers = self.pending.overlay(workers, now)
         decoders = [w for w in workers if w.role == DECODE and w.live]
@@ -169,6 +188,83 @@ class Router:
             self.on_routed(request, decision, now)
         return decision
 
+    # ------------------------------------------------------------------------------------------ estimate
+    def slo_estimate(self, request: RoutingRequest, workers: Sequence[WorkerView], now: float,
+                     model: str | None = None) -> SloEstimate:
+        """The best candidate's predicted TTFT and ITL for ``request``, routing nothing: no strategy state moves
+        (no tie-break turn, no ``on_routed``) and the pending ledger only expires what ``decide`` would. For SLO
+        admission, before the request is queued.
+
+        Each live decoder (of the context pool the request may use) is weighed with the route the disaggregation
+        rule would give it: direct, the decoder prefills its uncached tokens after its own queue; disaggregated,
+        the prefiller that would be first done (its queue, its uncached tokens) plus the decoder's first step.
+        The best is the one meeting the request's targets that is first to the first token (none meets them: the
+        one missing by the least; no targets: the first to the first token). ``model`` is accepted for the
+        :class:`~splitserve.routing.policies.PolicySet` interface (a Router is already one model's policy).
+        Raises :class:`NoWorkers` when no decoder is live."""
+        pred = self.predictor
+        pred.observe(workers, now)
+        if self.pending is not None:
+            workers = self.pending.overlay(workers, now)
+        decoders = [w for w in workers if w.role == DECODE and w.live]
+        prefillers = [w for w in workers if w.role == PREFILL and w.live]
+        if not decoders:
+            raise NoWorkers(DECODE, f"{len(prefillers)} prefill workers live")
+        bs = self.block_size
+        prompt = request.num_prompt_tokens()
+        decoders, _ = self.context.candidates(prompt, decoders)
+        held = self.index.lookup(request.hashes(bs)) if self.index is not None and prompt else {}
+
+        def cached(wid: str) -> int:
+            return min(held.get(wid, 0) * bs, prompt) if held else 0
+
+        # The prefiller a disaggregated request would be first done on (uncorrected prefill + its correction).
+        best_p: WorkerView | None = None
+        best_p_ms = math.inf
+        for p in prefillers:
+            t = pred.prefill_ms(p, prompt - cached(p.worker_id)) * pred.correction(p.worker_id)
+            if t < best_p_ms:
+                best_p, best_p_ms = p, t
+        t_lim = request.ttft_slo_ms
+        i_lim = request.itl_slo_ms
+        targets = t_lim is not None or i_lim is not None
+        forced = request.force_route
+        rule = self.disagg.decide
+        # The rule reads only these of a decoder: decoders alike (the usual case, nothing cached) share one call.
+        routes: dict[tuple[int, float | None, float | None, bool], str] = {}
+        best: tuple[tuple[float, float, float], float, float, str, str | None, str, int, bool] | None = None
+        meeting = 0
+        for d in decoders:
+            c = cached(d.worker_id)
+            unc = prompt - c
+            sig = (unc, d.prefill_tokens_per_s, d.step_ms, d.active_seqs > 0)
+            route = routes.get(sig)
+            if route is None:
+                route = routes[sig] = rule(prompt, unc, d, best_p is not None).route
+            if forced is not None and (forced == DIRECT or best_p is not None):
+                route = forced
+            itl = pred.itl_ms(d)
+            kv_wait = pred.kv_wait_ms(d, -(-unc // bs))
+            if route == DISAGGREGATED and best_p is not None:
+                ttft = pred.ttft_ms(best_p, prompt - cached(best_p.worker_id), itl_ms=itl)
+                pid: str | None = best_p.worker_id
+            else:
+                ttft = pred.ttft_ms(d, unc, itl_ms=itl)
+                pid, route = None, DIRECT
+            ttft += kv_wait
+            ok = (t_lim is None or ttft <= t_lim) and (i_lim is None or itl <= i_lim)
+            meeting += ok
+            if ok or not targets:
+                key = (0.0, ttft, itl)
+            else:
+                miss = max(ttft / t_lim if t_lim else 0.0, itl / i_lim if i_lim else 0.0)
+                key = (1.0, miss, ttft)
+            if best is None or key < best[0]:
+                best = (key, ttft, itl, d.worker_id, pid, route, c, ok)
+        assert best is not None
+        _, ttft, itl, wid, pid, route, c, ok = best
+        return SloEstimate(ttft, itl, wid, pid, route, c, ok if targets else None, len(decoders), meeting)
+
     def on_routed(self, request: RoutingRequest, decision: Decision, now: float) -> None:
         """Record a dispatched decision: strategy observations and the router's pending-load book."""
         self.strategy.on_routed(request, decision, now, self.block_size)
@@ -209,6 +305,7 @@ class Router:
     def remove_worker(self, worker_id: str, *, forget_cache: bool = True) -> None:
         if self.pending is not None:
             self.pending.forget_worker(worker_id)
+        self.predictor.remove_worker(worker_id)
         self.strategy.remove_worker(worker_id)
         if self.prefill_strategy is not self.strategy:
             self.prefill_strategy.remove_worker(worker_id)

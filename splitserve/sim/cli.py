@@ -19,7 +19,7 @@ routed with ``--lora-affinity`` (default) or ``--no-lora-affinity``. The report 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +156,11 @@ def run_cmd(
     lora_load_ms: float = typer.Option(50.0, "--lora-load-ms", min=0.0, help="one adapter load"),
     lora_affinity: bool = typer.Option(True, "--lora-affinity/--no-lora-affinity",
                                        help="prefer workers with the adapter loaded (the live router's rule)"),
+    slo_admission: bool = typer.Option(False, "--slo-admission/--no-slo-admission",
+                                       help="refuse at intake a request no worker can serve within its SLO targets "
+                                       "(the tenant's, else --ttft-slo/--tpot-slo)"),
+    admission_slack: float = typer.Option(1.0, "--admission-slack", min=0.01,
+                                          help="refuse when predicted TTFT > target x this"),
     trace: str = TraceOpt, limit: int | None = LimitOpt, rate_factor: float = RateFactorOpt, rate: float = RateOpt,
     model: str = ModelOpt, latency: str = LatencyOpt, decode_latency: str | None = DecodeLatencyOpt, tp: int = TpOpt,
     fabric: str = FabricOpt, kv_tokens: int | None = KvOpt, max_seqs: int = MaxSeqsOpt, chunked: bool = ChunkOpt,
@@ -173,8 +178,9 @@ def run_cmd(
     if decode + long_decode < 1 and not models:
         _fail("the cluster needs at least one decoder (--decode or --long-decode)")
     reqs = _load(b)
+    base = replace(_config(b, prefill, decode), slo_admission=slo_admission, admission_slack=admission_slack)
     cfg, reqs = _apply_models(_Models(models, mix, adapters, zipf, adapter_share, max_loras, lora_load_ms,
-                                      lora_affinity), _config(b, prefill, decode), reqs, seed)
+                                      lora_affinity), base, reqs, seed)
     try:
         res = simulate(cfg, reqs)
     except (ValueError, OSError) as exc:
@@ -229,6 +235,9 @@ def _print_summary(s: dict[str, Any], gpus: int) -> None:
     typer.echo(f"SLO TTFT<={slo['ttft_s']}s: {slo['ttft_ok']:.1%}  TPOT<={slo['tpot_s']}s: {slo['tpot_ok']:.1%}  "
                f"met at {slo['attainment']:.0%}: {slo['met']}  goodput {s['goodput_rps']:.3f} req/s "
                f"({s['goodput_per_gpu_rps']:.4f} per GPU)")
+    adm = s.get("admission")
+    if adm is not None:
+        typer.echo(f"SLO admission refused {adm['refused']} {adm['by_reason']} by tenant {adm['by_tenant']}")
     u = s["utilisation"]
     typer.echo(f"routes {s['routes']}  cache hit {s['cache_hit_ratio']:.1%}  "
                f"KV moved {s['kv_bytes_moved'] / 1e9:.1f} GB  "

@@ -30,6 +30,13 @@ with ``max_loras`` slots loaded on demand (:mod:`.workers`); the candidates are 
 (:func:`splitserve.routing.adapters.adapter_views`) from what each worker's last heartbeat listed as loaded,
 unless ``lora_affinity`` is off. Without pools the cluster is the one model it always was, unchanged.
 ``record=True`` keeps the router's inputs and decisions (:attr:`Sim.log`) for the live-equivalence test.
+
+SLO targets: every routing request carries its tenant's (``slo:`` in the tenants file, target by target), else the
+run's ``ttft_slo_s`` / ``tpot_slo_s``, so ``strategy="slo"`` routes on them. ``slo_admission=True`` applies the live
+intake's :class:`~splitserve.routing.admission.SloAdmission` on arrival (after the quota check): the policy's
+``slo_estimate`` plus the wait in the tenant's queue lane (what is queued ahead at its fair share of the recent
+dispatch rate) against the targets; a refused request is counted in ``refused`` (code ``slo_ttft_unmeetable`` /
+``slo_itl_unmeetable``) and in the summary's ``admission`` figures. Off (the default), nothing of this runs.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from splitserve.proto import request_key
 from splitserve.routing import NoWorkers, RoutingRequest, WorkerView
 from splitserve.routing.adapter_lru import AdapterLru
 from splitserve.routing.adapters import adapter_views
+from splitserve.routing.admission import RateMeter, Refuse, SloAdmission, queue_wait_ms
 from splitserve.routing.book import Flight, RequestBook
 from splitserve.routing.live import build_policies, dispatch_batch, live_disagg, view_from_load
 from splitserve.sim.clock import EventLoop
@@ -117,6 +125,9 @@ class SimConfig:
     ttft_slo_s: float = 1.0
     tpot_slo_s: float = 0.1
     attainment: float = 0.9
+    # SLO admission at intake (the live router's 429): off by default
+    slo_admission: bool = False
+    admission_slack: float = 1.0  # refuse when queue wait + predicted TTFT > target * slack
     seed: int = 0
     record: bool = False
     util_buckets: int = 100
@@ -257,6 +268,11 @@ class Sim:
         self.lane_pending: dict[str | None, dict[str, int]] = {m: {} for m in lanes}
         self.done: list[Seq] = []
         self.refused: list[tuple[SimRequest, str]] = []
+        # SLO targets per tenant (ms), SLO admission and the dispatch rate its queue-wait estimate reads
+        self._slo_targets: dict[str, tuple[float | None, float | None]] = {}
+        self.admission = SloAdmission(slack=cfg.admission_slack) if cfg.slo_admission else None
+        self.dispatch_rate = RateMeter(5.0)
+        self.admission_log: list[tuple[str, str, int]] = []  # (tenant, reason, retry_after_s) per refusal
         self.failed: list[tuple[SimRequest, str]] = []
         self.kv_bytes = 0
         self.log: list[tuple[Any, ...]] = []
@@ -371,6 +387,8 @@ class Sim:
         if refusal is not None:
             self.refused.append((r, refusal.code))
             return
+        if self.admission is not None and not self._admit_slo(r, lane, queued, now):
+            return
         self.quota.admit(r.tenant, r.request_id, r.prompt_tokens, r.output_tokens, now)
         if not self.cfg.queue:
             self._route(r)
@@ -380,6 +398,44 @@ class Sim:
         q.append(r)
         self.lane_pending[lane][r.tenant] = len(q)
         self._dispatch()
+
+    def slo_targets(self, tenant: str) -> tuple[float | None, float | None]:
+        """(TTFT, ITL) targets in ms of a tenant's requests: its own SLO's, else the run's."""
+        t = self._slo_targets.get(tenant)
+        if t is None:
+            slo = self.tenants.slo(tenant)
+            ttft = slo.ttft_p99_ms if slo is not None and slo.ttft_p99_ms is not None else self.cfg.ttft_slo_s * 1000
+            itl = slo.itl_p99_ms if slo is not None and slo.itl_p99_ms is not None else self.cfg.tpot_slo_s * 1000
+            t = self._slo_targets[tenant] = (ttft, itl)
+        return t
+
+    def _admit_slo(self, r: SimRequest, lane: str | None, queued: int, now: float) -> bool:
+        """The live intake's SLO admission: False (and counted as refused) when no worker can serve ``r`` in time
+        once what is queued ahead of it in its lane has dispatched."""
+        assert self.admission is not None
+        scoped = self.multi or r.lora is not None
+        model = self.model_for(r) if scoped else None
+        ttft, itl = self.slo_targets(r.tenant)
+        rreq = RoutingRequest(request_id=request_key(r.tenant, r.request_id), tenant=r.tenant,
+                              block_hashes=r.hashes(self.cfg.block_size, model), prompt_tokens=r.prompt_tokens,
+                              session_key=r.session, ttft_slo_ms=ttft, itl_slo_ms=itl)
+        try:
+            est = self.router.slo_estimate(rreq, self._candidates(r, model) if scoped else self.views, now, model)
+        except NoWorkers:
+            return True  # routing fails it the same way, and says so
+        wait = 0.0
+        if self.cfg.queue and queued:
+            pending = self.lane_pending[lane]
+            weight = self.tenants.weight
+            mine = weight(r.tenant)
+            share = mine / (mine + sum(weight(t) for t, n in pending.items() if n and t != r.tenant))
+            wait = queue_wait_ms(queued, self.dispatch_rate.rate(now), share=share)
+        verdict = self.admission.check(est, ttft, itl, wait)
+        if isinstance(verdict, Refuse):
+            self.refused.append((r, f"slo_{verdict.reason}"))
+            self.admission_log.append((r.tenant, verdict.reason, verdict.retry_after_s))
+            return False
+        return True
 
     def _dispatch(self) -> None:
         if not self.cfg.queue:
@@ -415,8 +471,10 @@ class Sim:
         model = self.model_for(r) if scoped else None
         hashes = r.hashes(cfg.block_size, model)  # salted per (model, adapter) as the live router does
         key = request_key(r.tenant, r.request_id)  # as the live router names it (ids are unique per tenant)
+        ttft_slo, itl_slo = self.slo_targets(r.tenant)
         rreq = RoutingRequest(request_id=key, tenant=r.tenant, block_hashes=hashes,
-                              prompt_tokens=r.prompt_tokens, session_key=r.session)
+                              prompt_tokens=r.prompt_tokens, session_key=r.session, ttft_slo_ms=ttft_slo,
+                              itl_slo_ms=itl_slo)
         try:
             d = self.router.decide(rreq, self._candidates(r, model) if scoped else self.views, now, model)
         except NoWorkers as exc:
@@ -428,6 +486,8 @@ class Sim:
             self.log.append(("slots", now, self.book.free_slots(now)))
             self.log.append(("route", now, r.request_id, r.tenant, r.token_ids, r.output_tokens,
                              {**d.to_dict(), "request_id": r.request_id}))
+        if self.admission is not None:
+            self.dispatch_rate.tick(now)
         charge = r.prompt_tokens + r.output_tokens
         self.fair.charge(r.tenant, charge)
         if self.contracts_on:

@@ -8,6 +8,8 @@
   requests per second that met both (over the arrival span).
 * Utilisation: busy time / elapsed, per worker and per pool over time (``util_buckets`` slices).
 * Cache hit ratio: prompt tokens served from a prefix cache / prompt tokens; KV bytes moved between pools.
+* SLO admission (``slo_admission``): ``admission`` - the requests it refused (also in ``refused``), by reason
+  and tenant, and the Retry-After they were told.
 * Several models or LoRA adapters: ``models`` (per served model: TTFT and TPOT percentiles, throughput -
   finished requests over the span from its first arrival to its last finish - and its workers' adapter loads,
   loads per finished request, and the most adapters any of its workers held at once) and ``adapters`` (the same
@@ -158,6 +160,8 @@ def collect(sim: Sim) -> SimResult:
         "by_kind": {k: {**{m: _pcts(v) for m, v in d.items()}, "itl": _pcts(sim.itl_by_kind.get(k, ()))}
                     for k, d in kinds.items()},
     }
+    if sim.admission is not None:
+        summary["admission"] = _admission(sim)
     if sim.multi or any(w.lru is not None for w in sim.workers) or any(r.lora for r in sim.requests):
         models = _per_model(sim)
         summary["models"] = models
@@ -168,6 +172,18 @@ def collect(sim: Sim) -> SimResult:
     series = {"decode": [x / (dt * nd) for x in sim.util["decode"]],
               "prefill": [x / (dt * npf) for x in sim.util["prefill"]]}
     return SimResult(cfg.describe(), summary, rows, ttft, itl, tpot, series, dt)
+
+
+def _admission(sim: Sim) -> dict[str, Any]:
+    """SLO admission's refusals: how many, why, whose, and the Retry-After they were given."""
+    by_reason: dict[str, int] = {}
+    by_tenant: dict[str, int] = {}
+    for tenant, reason, _ in sim.admission_log:
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+        by_tenant[tenant] = by_tenant.get(tenant, 0) + 1
+    return {"refused": len(sim.admission_log), "by_reason": by_reason, "by_tenant": by_tenant,
+            "retry_after_s": _pcts([float(x[2]) for x in sim.admission_log]),
+            "slack": sim.cfg.admission_slack}
 
 
 def _per_model(sim: Sim) -> dict[str, dict[str, Any]]:

@@ -25,7 +25,7 @@ def test_route_bench_smoke() -> None:
     from bench import route_bench
 
     res = route_bench.run(workers=8, prefillers=2, limit=120)
-    assert set(res["strategies"]) == {"kvaware", "prefixaware", "roundrobin", "session"}
+    assert set(res["strategies"]) == {"kvaware", "prefixaware", "roundrobin", "session", "slo"}
     for r in res["strategies"].values():
         assert r["decisions_per_s"] > 0 and r["decision_p99_us"] >= r["decision_p50_us"]
     # Cache-aware routing finds the trace's reuse; round robin mostly does not.

@@ -325,7 +325,7 @@ def test_choice_is_a_minimum_cost_candidate_unless_guarded(
 
 
 def test_registry_builds_every_strategy() -> None:
-    assert available() == ["kvaware", "prefixaware", "roundrobin", "session"]
+    assert available() == ["kvaware", "prefixaware", "roundrobin", "session", "slo"]
     assert make_strategy("session", vnodes=8, temperature=0.5).config()["temperature"] == 0.5
     assert isinstance(make_strategy("kvaware", index=PrefixIndex()), KvAwareStrategy)
     with pytest.raises(ValueError, match="unknown routing strategy"):
