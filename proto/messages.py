@@ -138,6 +138,9 @@ class ErrorCode(StrEnum):
     CANCELLED = "cancelled"
     EXPIRED = "expired"  # the request's deadline passed
     BUSY = "busy"  # bounded queues are full; retry later
+    # The tenant's latency targets (its SLO) cannot be met now: refused at once rather than served late (HTTP 429
+    # with Retry-After: when the queue ahead should have drained enough)
+    SLO_UNATTAINABLE = "slo_unattainable"
     INTERNAL = "internal"
 
 
@@ -307,6 +310,10 @@ class DecodeJob(Message, TenantRequest):
     # Funded by its tenant's guarantee (splitserve.tenancy.contracts): a prefiller serves such prompts before any
     # other. Added in v1 with a default.
     guaranteed: bool = False
+    # Its tenant's contract priority class (0 most urgent): a decoder admits the jobs waiting for a slot most urgent
+    # class first, so a slot freed by preemption (splitserve.tenancy.preemption) goes to the request that preempted.
+    # Added in v1 with a default (0 for every job: first come, first admitted, as before).
+    priority_class: int = Field(default=0, ge=0, le=9)
 
     @model_validator(mode="after")
     def _own_subject(self) -> DecodeJob:

@@ -57,6 +57,13 @@ class QuotaExceeded(SplitserveError):
     code = ErrorCode.QUOTA_EXCEEDED
 
 
+class SloUnattainable(SplitserveError):
+    """The tenant's latency targets cannot be met now (the queue ahead and the workers' predicted latency):
+    refused at once instead of served late. Retryable after ``retry_after_s``."""
+
+    code = ErrorCode.SLO_UNATTAINABLE
+
+
 class Unavailable(SplitserveError):
     """No router answered (nothing is running at that NATS URL, or the router is down)."""
 
@@ -100,6 +107,7 @@ _BY_CODE: dict[ErrorCode, type[SplitserveError]] = {
     ErrorCode.EXPIRED: Timeout,
     ErrorCode.CANCELLED: Cancelled,
     ErrorCode.QUOTA_EXCEEDED: QuotaExceeded,
+    ErrorCode.SLO_UNATTAINABLE: SloUnattainable,
     ErrorCode.FORBIDDEN: Forbidden,
     ErrorCode.MODEL_NOT_FOUND: ModelNotFound,
     ErrorCode.MODEL_NOT_ALLOWED: ModelNotAllowed,

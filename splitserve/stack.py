@@ -189,6 +189,7 @@ class StackConfig:
     long_prompt_tokens: int = 2048
     max_stall_ms: float = 100.0
     max_migrations: int = 2  # the routers' --max-migrations
+    slo_admission: bool = False  # the routers' --slo-admission
     max_loras: int = 0  # the workers' --max-loras (0: every adapter loaded at start)
     lora_affinity: bool = True  # the routers' --lora-affinity
     http_port: int = 8000  # the OpenAI-compatible front door; 0 (or taken) = a free port
@@ -342,7 +343,8 @@ class Stack:
         # Colocated: there is nowhere else to send a prompt, so no stall limit (decoders chunk instead).
         router_extra = ["--max-stall-ms", "0" if c.colocated else str(c.max_stall_ms),
                         "--long-prompt-tokens", str(c.long_prompt_tokens), "--max-migrations", str(c.max_migrations),
-                        *([] if c.lora_affinity else ["--no-lora-affinity"])]
+                        *([] if c.lora_affinity else ["--no-lora-affinity"]),
+                        *(["--slo-admission"] if c.slo_admission else [])]
         out = [Child(f"router-{i}", "router", py + ["splitserve.services.router", "--worker-id", f"router-{i}",
                                                     "--strategy",
                                                     c.strategy, "--disagg-threshold",

@@ -23,6 +23,7 @@ import math
 import time
 import uuid
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,6 +175,9 @@ class DecodeService(Service):
         # Requests are keyed by ``proto.request_key(tenant, id)`` everywhere here (maps, the engine's sequence ids,
         # heartbeats): a request id is unique only within its tenant.
         self.revoked: dict[str, int] = {}  # request key -> highest attempt revoked here (bounded, insertion-ordered)
+        # Sequences whose last token or final message is being sent: a forced revoke (priority preemption) then
+        # keeps them, since the router would otherwise move a request that is ending here (two finals).
+        self.ending: set[str] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self.admitting: str | None = None  # the request being admitted (prefilled) now: held, though in no list
         self._admitting_prefill = 0  # its tokens still to compute here (0: its KV came from a prefiller)
@@ -303,7 +307,8 @@ class DecodeService(Service):
         rid, key = r.request_id, r.key
         seq = self.active.get(key)
         landed = [a for a in self.pending if a.job.key == key and a.kv is not None]
-        if not r.force and ((seq is not None and seq.job.attempt >= r.attempt) or landed or key == self.admitting):
+        if (not r.force and ((seq is not None and seq.job.attempt >= r.attempt) or landed or key == self.admitting)
+                or (r.force and key in self.ending)):
             await self.b.respond(msg, RevokeReply(request_id=rid, revoked=False, running=True))
             return
         self.revoked[key] = max(r.attempt, self.revoked.get(key, -1))
@@ -487,7 +492,13 @@ class DecodeService(Service):
         to evict that no running sequence holds): the others stay pending while the batch steps on, which is
         what frees their slots (admitting one that has to wait would stall every stream; --max-loras)."""
         held = {seq.job.lora for seq in self.active.values() if seq.job.lora is not None}
-        for i, adm in enumerate(self.pending):
+        order: Iterable[int] = range(len(self.pending))
+        if any(a.job.priority_class for a in self.pending):
+            # Contract priority classes: the most urgent class first, first come first within a class (a slot a
+            # preemption freed goes to the request that preempted, not to a less urgent job queued before it).
+            order = sorted(order, key=lambda i: self.pending[i].job.priority_class)
+        for i in order:
+            adm = self.pending[i]
             if self.adapters.can_admit(adm.job.lora, held):
                 del self.pending[i]
                 return adm
@@ -723,15 +734,28 @@ class DecodeService(Service):
         if reason == "length":
             text += seq.detok.flush()  # release a character still waiting for bytes that will never come
         seq.text += text
-        if job.stream and (text or reason is None):
-            await self.b.publish(job.stream_subject, StreamDelta(
-                request_id=job.request_id, seq=seq.seq_no, token_ids=[token], text=text,
-                logprobs=[logprob] if logprob is not None else None))
-            seq.seq_no += 1
         if reason is not None:
-            await self._finish(seq, reason)
+            self.ending.add(job.key)  # from its last delta on, a forced revoke keeps it (on_revoke)
+        try:
+            if job.stream and (text or reason is None):
+                await self.b.publish(job.stream_subject, StreamDelta(
+                    request_id=job.request_id, seq=seq.seq_no, token_ids=[token], text=text,
+                    logprobs=[logprob] if logprob is not None else None))
+                seq.seq_no += 1
+            if reason is not None:
+                await self._finish(seq, reason)
+        finally:
+            if reason is not None:
+                self.ending.discard(job.key)
 
     async def _finish(self, seq: Sequence, reason: str) -> None:
+        self.ending.add(seq.job.key)
+        try:
+            await self._finish_seq(seq, reason)
+        finally:
+            self.ending.discard(seq.job.key)
+
+    async def _finish_seq(self, seq: Sequence, reason: str) -> None:
         job = seq.job
         await self._drop(job.key, [*job.prompt_token_ids, *seq.generated])  # generated includes resumed
         seq.timings.total_ms = now_ms() - job.created_ms

@@ -78,6 +78,7 @@ ERROR_MAP: dict[ErrorCode, tuple[int, str, str]] = {
     ErrorCode.MODEL_NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
     ErrorCode.MODEL_NOT_ALLOWED: (403, "permission_error", "model_not_allowed"),
     ErrorCode.QUOTA_EXCEEDED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    ErrorCode.SLO_UNATTAINABLE: (429, "rate_limit_error", "slo_unattainable"),
     ErrorCode.NO_WORKERS: (503, "server_error", "no_workers"),
     ErrorCode.BUSY: (503, "server_error", "busy"),
     ErrorCode.WORKER_DIED: (503, "server_error", "worker_died"),

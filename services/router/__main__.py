@@ -46,6 +46,14 @@ def main(
     model_disagg_threshold: list[str] = typer.Option([], "--model-disagg-threshold", help="NAME=TOKENS "
                                                      "(repeatable): one served model's disaggregation threshold "
                                                      "(the rest use --disagg-threshold)"),
+    preempt: bool = typer.Option(True, "--preempt/--no-preempt", help="with contracts whose tenants' priority "
+                                 "classes differ, a request the gate would dispatch may preempt a running, "
+                                 "burst-funded request of a less urgent class when its decoders are full (moved "
+                                 "on, never lost; never one inside its tenant's guarantee)"),
+    slo_admission: bool = typer.Option(False, "--slo-admission/--no-slo-admission", help="refuse at once "
+                                       "(slo_unattainable, HTTP 429 with Retry-After) a request of a tenant with "
+                                       "SLO targets that no worker can meet once the queue ahead has gone, instead "
+                                       "of serving it late"),
     log_level: str = typer.Option("INFO"),
     drain_timeout_s: float = cli.DrainTimeout,
 ) -> None:
@@ -66,7 +74,8 @@ def main(
                               decoder_prefill_tps=decoder_prefill_tps, tenants_file=tenants, queue=queue,
                               queue_ack_wait_s=queue_ack_wait_s, long_prompt_tokens=long_prompt_tokens,
                               request_ttl_s=request_ttl_s, max_migrations=max_migrations, log_level=log_level,
-                              lora_affinity=lora_affinity, model_policies=policies,
+                              lora_affinity=lora_affinity, model_policies=policies, preempt=preempt,
+                              slo_admission=slo_admission,
                               drain_timeout_s=drain_timeout_s))
 
 

@@ -39,14 +39,14 @@ from splitserve.proto import (
     Subjects,
     WorkerLoad,
 )
-from splitserve.routing import Decision, RoutingRequest, WorkerView
-from splitserve.routing.adapters import adapter_views
+from splitserve.routing import Decision, WorkerView
 from splitserve.routing.book import RECENT_ENDS_KEPT, Flight, RequestBook
 from splitserve.routing.live import live_disagg, view_from_load
 from splitserve.routing.policies import PolicySet
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
 from splitserve.runtime.workqueue import WorkQueue
+from splitserve.services.router.inputs import routing_inputs
 from splitserve.services.router.models import ModelTable
 from splitserve.services.router.shared import CorruptRecord, RequestRegistry, SharedQuota
 from splitserve.tenancy import TenantsConfig, load_tenants
@@ -318,7 +318,6 @@ class RouterCore(Service):
         return [hb for hb in self.registry.live(role, now) if of(hb) == model
                 and (lora is None or lora in hb.adapters or lora in hb.adapters_available)]
 
-
     async def _wait_for_decoders(self, model: str) -> list[Heartbeat]:
         """Live decoders of ``model``, waiting (bounded) for one to appear, so "no workers" is a clear, early
         answer."""
@@ -352,17 +351,11 @@ class RouterCore(Service):
         scope = f"{self.models.served(req.model).name}\0{req.lora or ''}".encode("utf-8", "surrogatepass")
         return f"{salt}|m:{hashlib.sha256(scope).hexdigest()[:12]}"
 
-    def _decide(self, req: GenerateRequest, token_ids: list[int], salt: str, now: float) -> Decision:
+    def _decide(self, req: GenerateRequest, token_ids: list[int], salt: str, now: float,
+                pin: str | None = None) -> Decision:
         """The policy's decision for ``req`` over ``token_ids`` (its prompt, or prompt + tokens so far when it
-        moves) among the workers live now; raises NoWorkers."""
-        model = self.models.served(req.model).name
-        decoders, prefillers = self._live("decode", model, now, req.lora), self._live("prefill", model, now, req.lora)
-        views, affinity = adapter_views([self._view(hb) for hb in decoders], [self._view(hb) for hb in prefillers],
-                                        {hb.worker_id for hb in decoders + prefillers if req.lora in hb.adapters},
-                                        req.lora is not None and self.lora_affinity)
-        rreq = RoutingRequest(request_id=req.key, tenant=req.tenant, token_ids=token_ids,
-                              session_key=req.session_id, force_route=None if req.route == "auto" else req.route,
-                              cache_salt=salt)
+        moves) among the workers live now (``pin``: on that decoder if it is one of them); raises NoWorkers."""
+        rreq, views, model, affinity = routing_inputs(self, req, token_ids, salt, now, pin)
         decision = self.policy.decide(rreq, views, now, model)
         if req.lora is not None:  # the route explanation says which adapter, and why these workers
             decision.detail["adapter"] = {"name": req.lora, "affinity": affinity or "off"}
@@ -375,7 +368,7 @@ class RouterCore(Service):
     # --- provided by the parts (declared here so each part type-checks on its own) ---------------------------
     async def _route(self, req: GenerateRequest, ids: list[int], msg: Msg | None, sp: trace.Span,
                      queue_msg: Msg | None = None, record: tuple[RequestRecord, int] | None = None,
-                     guaranteed: bool = False) -> Inflight | None:
+                     guaranteed: bool = False, pin: str | None = None) -> Inflight | None:
         """Route a request and hand it to its worker(s): :mod:`.dispatch`."""
         raise NotImplementedError
 

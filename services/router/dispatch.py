@@ -96,8 +96,9 @@ class Dispatch(RouterCore):
     def _allowed(self, tenant: str, model: str) -> bool:
         return self.tenants.allows_model(tenant, model)
 
-    async def _dispatch(self, qmsg: Msg, guaranteed: bool = False) -> None:
-        """``guaranteed``: the contract gate funded this pull by the tenant's guarantee."""
+    async def _dispatch(self, qmsg: Msg, guaranteed: bool = False, pin: str | None = None) -> None:
+        """``guaranteed``: the contract gate funded this pull by the tenant's guarantee; ``pin``: the decoder it
+        should go to (the one a priority preemption frees a slot on), if that one can take it."""
         try:
             q = proto.decode(qmsg.data, QueuedRequest)
         except proto.ProtocolError as exc:
@@ -128,11 +129,12 @@ class Dispatch(RouterCore):
                 return
             self._claiming.add(key)
             try:
-                await self._dispatch_claimed(q, qmsg, sp, guaranteed)
+                await self._dispatch_claimed(q, qmsg, sp, guaranteed, pin)
             finally:
                 self._claiming.discard(key)
 
-    async def _dispatch_claimed(self, q: QueuedRequest, qmsg: Msg, sp: trace.Span, guaranteed: bool = False) -> None:
+    async def _dispatch_claimed(self, q: QueuedRequest, qmsg: Msg, sp: trace.Span, guaranteed: bool = False,
+                                pin: str | None = None) -> None:
         req = q.request
         claimed = await self._claim(q, qmsg, sp)
         if claimed is None:
@@ -146,7 +148,7 @@ class Dispatch(RouterCore):
             return
         self._rate(req.tenant, "dispatched").add(self.clock())
         inf = await self._route(req, list(q.prompt_token_ids), None, sp, queue_msg=qmsg, record=(rec, rev),
-                                guaranteed=guaranteed)
+                                guaranteed=guaranteed, pin=pin)
         if inf is None:
             await qmsg.ack()  # answered with a terminal error (and settled)
 
@@ -289,15 +291,15 @@ class Dispatch(RouterCore):
 
     async def _route(self, req: GenerateRequest, ids: list[int], msg: Msg | None, sp: trace.Span,
                      queue_msg: Msg | None = None, record: tuple[RequestRecord, int] | None = None,
-                     guaranteed: bool = False) -> Inflight | None:
+                     guaranteed: bool = False, pin: str | None = None) -> Inflight | None:
         """Decide where the request runs and hand it to the worker(s). With ``msg`` (no queue), answers the
         caller's request; otherwise a failure goes to the request's stream subject. ``guaranteed``: funded by
-        its tenant's contract guarantee (prefillers serve it first)."""
+        its tenant's contract guarantee (prefillers serve it first); ``pin``: on that decoder if it is live."""
         log = self.log.bind(request_id=req.request_id, tenant=req.tenant)
         now = self.clock()
         salt = self._cache_salt(req)
         try:
-            decision = self._decide(req, ids, salt, now)
+            decision = self._decide(req, ids, salt, now, pin)
         except NoWorkers as exc:
             if msg is not None:
                 await self._reject(req, msg, ErrorCode.NO_WORKERS, str(exc))
@@ -312,6 +314,9 @@ class Dispatch(RouterCore):
             await self.b.respond(msg, Accepted(request_id=req.request_id, router_id=self.worker_id,
                                                prompt_tokens=len(ids)))
         route = Route(decision.route)
+        # Contracts: its tenant's class orders the jobs waiting on a decoder, and with its funding decides whether
+        # a more urgent request may preempt it (.preempt).
+        klass = self.tenants.priority(req.tenant) if self.contracts_on else 0
         job = DecodeJob(
             request_id=req.request_id, tenant=req.tenant, prompt_token_ids=ids, sampling=req.sampling,
             stream_subject=req.stream_subject, route=route, decoder_id=decision.decoder,
@@ -320,11 +325,12 @@ class Dispatch(RouterCore):
             # the policy knows the request by its key (tenant.id); the caller by its id
             decision={**decision.to_dict(), "request_id": req.request_id, "router": self.worker_id},
             stream=req.stream, cache_salt=salt, lora=req.lora, weight=self.tenants.weight(req.tenant),
-            guaranteed=guaranteed,
+            guaranteed=guaranteed, priority_class=klass,
         )
         charge = len(ids) + req.sampling.max_tokens
         inf = Inflight(request_id=req.request_id, tenant=req.tenant, stream_subject=req.stream_subject,
-                       decoder=decision.decoder, prefiller=decision.prefiller, queue_msg=queue_msg, charged=charge)
+                       decoder=decision.decoder, prefiller=decision.prefiller, queue_msg=queue_msg, charged=charge,
+                       priority_class=klass, guaranteed=guaranteed)
         if record is not None:
             inf.record, inf.record_rev = record
         self.fair.charge(req.tenant, charge)

@@ -25,8 +25,9 @@ from splitserve.proto import (
     StreamError,
 )
 from splitserve.runtime.bus import PayloadTooLarge, reply_allowed
-from splitserve.services.router.core import REGISTRY_WARMUP_S, RouterCore
+from splitserve.services.router.core import REGISTRY_WARMUP_S
 from splitserve.services.router.models import ServedModel
+from splitserve.services.router.slo_gate import SloGate, refusal_message
 from splitserve.services.router.tokenize import PromptTokenizer
 
 _REFUSAL_CODES = {"unknown_tenant": ErrorCode.UNKNOWN_TENANT, "quota_exceeded": ErrorCode.QUOTA_EXCEEDED,
@@ -40,7 +41,7 @@ class _TokenizerBusy(Exception):
     pass
 
 
-class Intake(RouterCore):
+class Intake(SloGate):
     """Admission of a request: checks, tokenizing, limits, the durable queue, Accepted."""
 
     async def on_request(self, req: GenerateRequest, msg: Msg) -> None:
@@ -143,8 +144,16 @@ class Intake(RouterCore):
             return
         now = self.clock()
         queued = self.wq.pending_by_tenant().get(req.tenant, 0)
+        if (late := self._slo_refusal(req, ids, queued)) is not None:
+            slo = self.tenants.slo(req.tenant)
+            assert slo is not None
+            await self._reject(req, msg, ErrorCode.SLO_UNATTAINABLE,
+                               refusal_message(req.tenant, slo.ttft_p99_ms, slo.itl_p99_ms, late),
+                               retry_after_s=late.retry_after_s, limit="slo")
+            return
         if self.use_queue:
-            await self._intake_queued(req, msg, sp, ids, queued, served.pool)
+            with self._slo_entering(req.tenant):  # ahead of the tenant's next requests until it is stored
+                await self._intake_queued(req, msg, sp, ids, queued, served.pool)
             return
         refusal = self.quota.check(req.tenant, len(ids), req.sampling.max_tokens, queued, now)
         if refusal is not None:

@@ -158,6 +158,15 @@ class Migration(RouterCore):
             tracing.set_attrs(sp, migrated=False, kept_on=inf.decoder)
             self.book.kept_on(inf, inf.decoder)
             return
+        await self._move_on(inf, attempt, reason, failed, sp, code)
+
+    async def _move_on(self, inf: Inflight, attempt: int, reason: str, failed: str, sp: trace.Span,
+                       code: ErrorCode = ErrorCode.WORKER_DIED) -> None:
+        """The attempt is fenced off its decoder: end the request here (cancelled, or complete), fail it (out of
+        moves), or route it again over prompt + tokens so far. Also the second half of a priority preemption
+        (:mod:`.preempt`)."""
+        log = self.log.bind(request_id=inf.request_id, tenant=inf.tenant)
+        assert inf.request is not None and inf.job is not None
         if inf.cancelled:
             await self._end_here(inf, "cancelled")
             return
@@ -168,10 +177,10 @@ class Migration(RouterCore):
             log.info("ended_without_migration", reason=reason, completion_tokens=len(inf.tokens))
             await self._end_here(inf, "length")
             return
-        if attempt >= self.max_migrations:
+        if attempt - inf.preemptions >= self.max_migrations:  # a preempted request did not fail: not counted
             tracing.set_attrs(sp, migrated=False, exhausted=True)
             await self._fail(inf, code,
-                             f"{reason} while serving this request, after {attempt} migration(s) "
+                             f"{reason} while serving this request, after {attempt - inf.preemptions} migration(s) "
                              f"(--max-migrations {self.max_migrations})", failed)
             return
         decoders = await self._wait_for_decoders(self.models.served(inf.request.model if inf.request else None).name)

@@ -32,7 +32,8 @@ requests it just dispatched (the other routers' pending-load ledgers count them 
 ``--no-queue`` dispatches at intake instead (no durability, no fair share, one router's own quotas), for
 comparison.
 
-The parts: :mod:`.core` (state, a request's end), :mod:`.intake`, :mod:`.dispatch`, :mod:`.migration`,
+The parts: :mod:`.core` (state, a request's end), :mod:`.intake`, :mod:`.dispatch`, :mod:`.migration`, :mod:`.preempt`,
+:mod:`.slo_gate` (SLO admission),
 :mod:`.queued_ends`, :mod:`.peers`, :mod:`.admin`, :mod:`.warmstart` (the index replica's KV events, warm-started
 from the cache index before the router reports ready).
 """
@@ -69,14 +70,16 @@ from splitserve.services.router.dispatch import Dispatch
 from splitserve.services.router.intake import Intake
 from splitserve.services.router.migration import Migration
 from splitserve.services.router.peers import Peers
+from splitserve.services.router.preempt import Preempt
 from splitserve.services.router.queued_ends import QueuedEnds
 from splitserve.services.router.shared import RequestRegistry, SharedQuota
+from splitserve.services.router.slo_gate import SloGate
 from splitserve.services.router.warmstart import IndexFeed
 
 __all__ = ["RECENT_ENDS_KEPT", "Inflight", "RouterService"]
 
 
-class RouterService(Intake, Dispatch, Migration, QueuedEnds, Peers, Admin, IndexFeed, RouterCore):
+class RouterService(Intake, SloGate, Preempt, Dispatch, Migration, QueuedEnds, Peers, Admin, IndexFeed, RouterCore):
     role = "router"
 
     async def setup(self) -> None:
