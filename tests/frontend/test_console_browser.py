@@ -1,7 +1,8 @@
 """The web console in a real headless Chromium (Debian's, driven by Playwright) against a real stack
 (``splitserve up --tenants``, the real model, real spans): the cluster page lists the live workers, a request's
 waterfall shows its spans with the routing decision and the KV transfer, the routing explorer explains a prompt
-with every strategy, and a tenant's key sees only its own tenant."""
+with every strategy, the what-if page runs the simulator and shows its verdict, and a tenant's key sees only its
+own tenant."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from splitserve.routing.registry import available
 from splitserve.stackproc import StackProc, start_stack
 from splitserve.tenancy.consolekey import key_path, read_console_key
 
@@ -142,7 +144,7 @@ def test_admin_sees_workers_waterfall_and_routing_explorer(stack: tuple[StackPro
         page.wait_for_selector("#explain .strategy")
         cards = {c.get_attribute("data-strategy"): c.inner_text()
                  for c in page.query_selector_all("#explain .strategy")}
-        assert set(cards) == {"kvaware", "prefixaware", "roundrobin", "session"}
+        assert set(cards) == set(available())  # every registered strategy
         assert "live" in cards["kvaware"] and "decode-0" in cards["kvaware"]
         # the long prompt's prefix is on the workers now: the router's index replica says so
         assert "holds of this prompt" in page.inner_text("#explain-workers")
@@ -159,6 +161,8 @@ def test_a_tenant_key_sees_only_its_own_tenant(stack: tuple[StackProc, str, str]
         sign_in(page, base, "sk-console-a")
         assert page.text_content("#who") == "tenant A"
         assert page.is_hidden("nav a[data-page='cluster']") and page.is_hidden("nav a[data-page='explorer']")
+        assert page.is_hidden("nav a[data-page='whatif']")
+        assert api_status(base, "/whatif/traces", "sk-console-a") == 403
         page.goto(f"{base}/console/#cluster")  # not for tenants: it lands on the tenant's own page
         page.wait_for_selector(".tenant-row")
         assert [r.get_attribute("data-tenant") for r in page.query_selector_all(".tenant-row")] == ["A"]
@@ -176,6 +180,35 @@ def test_a_tenant_key_sees_only_its_own_tenant(stack: tuple[StackProc, str, str]
         page.reload()
         page.wait_for_selector("#trace-error")
         assert "no trace" in page.inner_text("#trace-error")
+
+
+def test_the_what_if_page_runs_the_simulator_and_shows_its_verdict(stack: tuple[StackProc, str, str]) -> None:
+    from splitserve.sim.workload import TRACE_FILES, TRACES_DIR
+
+    trace = TRACE_FILES["mooncake-arxiv20"]  # 20 rows: a second or two of simulation
+    if not (TRACES_DIR / trace).is_file():
+        pytest.skip(f"{TRACES_DIR / trace} is not present")
+    sp, _, _ = stack
+    base = sp.http_url
+    assert base
+    with browser() as b:
+        page = b.new_page(viewport={"width": 1400, "height": 900})
+        sign_in(page, base, read_console_key(sp.state_dir))
+        page.goto(f"{base}/console/#whatif")
+        page.wait_for_selector(f"#whatif-trace option[value='{trace}']", state="attached")
+        assert "add_tenant" in page.input_value("#whatif-change")  # prefilled with a deploy/whatif example
+        page.select_option("#whatif-trace", trace)
+        page.fill("#whatif-prefill", "1")
+        page.fill("#whatif-decode", "1")
+        page.fill("#whatif-change", "add_tenant:\n  name: C\n  spec: {slo: {ttft_p99_ms: 600000}}\n  rate_rps: 1.0\n")
+        page.click("#whatif-run")
+        page.wait_for_selector("#whatif-verdict, #whatif-error", timeout=120_000)
+        assert page.get_attribute("#whatif-verdict", "data-verdict") == "accepted", page.inner_text("#whatif-result")
+        assert "ACCEPTED" in page.inner_text("#whatif-verdict")
+        rows = {(r.get_attribute("data-tenant"), r.get_attribute("data-run"))
+                for r in page.query_selector_all("#whatif-tenants .whatif-row")}
+        assert rows == {("A", "before"), ("A", "after"), ("B", "before"), ("B", "after"), ("C", "after")}
+        assert page.is_enabled("#whatif-run")
 
 
 async def test_route_explain_over_nats_is_a_dry_run_with_clear_errors(stack: tuple[StackProc, str, str]) -> None:
