@@ -11,6 +11,7 @@ from splitserve.services.common.cli import DrainTimeout, LogLevel, NatsUrl
 from splitserve.services.frontend.app import MIN_API_KEY_CHARS, PER_KEY_CONCURRENCY
 from splitserve.services.frontend.guard import HEADER_TIMEOUT_S
 from splitserve.services.frontend.service import LIMIT_CONCURRENCY, METRICS_PORT
+from splitserve.services.frontend.whatif import WHATIF_TIMEOUT_S
 
 app = typer.Typer(add_completion=False)
 
@@ -46,6 +47,13 @@ def main(
     admin_keys: Path | None = typer.Option(None, exists=True, dir_okay=False,
                                            help="web console admin keys (a list, or one per line); also "
                                                 "SPLITSERVE_CONSOLE_ADMIN_KEYS (comma-separated)"),
+    whatif_traces: Path | None = typer.Option(None, exists=True, file_okay=False,
+                                              help="folder of the traces the console's what-if panel offers (its "
+                                                   ".jsonl/.csv files, by name; default: the simulator's shared "
+                                                   "data traces/ folder)"),
+    whatif_timeout_s: float = typer.Option(WHATIF_TIMEOUT_S, min=1.0,
+                                           help="wall-clock bound on one console what-if run (a simulation in a "
+                                                "child process; past it: killed, HTTP 504)"),
     log_level: str = LogLevel,
     drain_timeout_s: float = DrainTimeout,
 ) -> None:
@@ -91,7 +99,8 @@ def main(
                                 admin_keys=admins, tenants=cfg, log_level=log_level,
                                 drain_timeout_s=drain_timeout_s, docs=docs, metrics_host=metrics_host,
                                 metrics_port=metrics_port, limit_concurrency=limit_concurrency,
-                                per_key_concurrency=per_key_concurrency, header_timeout_s=header_timeout_s))
+                                per_key_concurrency=per_key_concurrency, header_timeout_s=header_timeout_s,
+                                whatif_traces=whatif_traces, whatif_timeout_s=whatif_timeout_s))
 
 
 if __name__ == "__main__":

@@ -10,11 +10,15 @@ Who sees what (:class:`ConsoleAuth`):
   file's ``api_keys``) sees only its own tenant: its queue row, usage and requests. The cluster page and the
   routing explorer (which shows every worker's cache residency) are for admins only.
 
+The what-if panel (``/console/api/whatif``, admin only) runs ``splitserve sim what-if`` on the front door's own
+tenants file and a trace from an allow-list, in a child process (:mod:`splitserve.services.frontend.whatif`).
+
 The figures come from :mod:`splitserve.services.frontend.console_data`, which reuses the operator commands' sources.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import os
@@ -28,7 +32,7 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Resp
 from fastapi.staticfiles import StaticFiles
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException
 
 from splitserve import errors
@@ -36,6 +40,7 @@ from splitserve.proto.admin import MAX_EXPLAIN_STRATEGIES, LoraAdminRequest
 from splitserve.proto.subjects import check_token
 from splitserve.services.frontend.app import AuthThrottle, bearer_key
 from splitserve.services.frontend.console_data import ConsoleData
+from splitserve.services.frontend.whatif import MAX_POOL, WhatIfRefused, WhatIfRunner
 from splitserve.tenancy.consolekey import ADMIN_KEYS_ENV
 
 STATIC = Path(__file__).parent / "static" / "console"
@@ -155,8 +160,33 @@ class LoraBody(BaseModel):
     model: str | None = Field(default=None, max_length=256)
 
 
-def console_router(data: ConsoleData, auth: ConsoleAuth) -> tuple[APIRouter, APIRouter]:
-    """The console's API, and the runtime LoRA endpoints at vLLM's paths (admin key; installed beside it)."""
+class WhatIfBody(BaseModel):
+    """The what-if panel's form: the change file's text, a trace by its listed name (never a path), and the
+    current pools the trace is replayed on (the CLI's --prefill/--decode; absent: its defaults). No other key:
+    an unknown one (a ``tenants`` path, say) is refused, not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    change: str  # its size is checked by the runner: over the limit is a 413, not a validation error
+    trace: str = Field(min_length=1, max_length=256)
+    prefill: int | None = Field(default=None, ge=0, le=MAX_POOL, strict=True)
+    decode: int | None = Field(default=None, ge=1, le=MAX_POOL, strict=True)
+
+    @model_validator(mode="after")
+    def _utf8(self) -> WhatIfBody:
+        for s in (self.change, self.trace):
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a string of the body has an unpaired UTF-16 surrogate") from None
+        return self
+
+
+def console_router(data: ConsoleData, auth: ConsoleAuth,
+                   whatif: WhatIfRunner | None = None) -> tuple[APIRouter, APIRouter]:
+    """The console's API, and the runtime LoRA endpoints at vLLM's paths (admin key; installed beside it).
+    ``whatif`` None: the what-if endpoints answer 409 (no tenants file)."""
+    runner = whatif if whatif is not None else WhatIfRunner(tenants=None)
     api = APIRouter(prefix="/console/api")
     lora_api = APIRouter()
 
@@ -274,12 +304,27 @@ def console_router(data: ConsoleData, auth: ConsoleAuth) -> tuple[APIRouter, API
     async def unload_lora(body: LoraBody, _: Principal = Depends(admin)) -> JSONResponse:
         return await lora_change(body, "unload")
 
+    @api.get("/whatif/traces")
+    async def whatif_traces(_: Principal = Depends(admin)) -> dict[str, Any]:
+        # a folder listing and a few small files: off the loop all the same (a slow network mount)
+        return await asyncio.to_thread(runner.describe)
+
+    @api.post("/whatif", response_model=None)
+    async def whatif_run(body: WhatIfBody, _: Principal = Depends(admin)) -> dict[str, Any] | JSONResponse:
+        try:
+            return await runner.run(body.change, body.trace, prefill=body.prefill, decode=body.decode)
+        except WhatIfRefused as exc:
+            if exc.status == 404:
+                return _not_found(exc.message)
+            raise HTTPException(exc.status, exc.message, headers=exc.headers) from None
+
     return api, lora_api
 
 
-def install(app: FastAPI, data: ConsoleData, auth: ConsoleAuth) -> None:
-    """Serve the console on ``app``: the pages at /console, their assets, and the API."""
-    api, lora_api = console_router(data, auth)
+def install(app: FastAPI, data: ConsoleData, auth: ConsoleAuth, whatif: WhatIfRunner | None = None) -> None:
+    """Serve the console on ``app``: the pages at /console, their assets, and the API (``whatif``: the what-if
+    panel's runner; None: no tenants file, the panel says so)."""
+    api, lora_api = console_router(data, auth, whatif)
     app.include_router(api)
     app.include_router(lora_api)
     app.mount("/console/static", StaticFiles(directory=STATIC), name="console-static")

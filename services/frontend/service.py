@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -36,6 +37,7 @@ from splitserve.services.frontend import openai_api as oa
 from splitserve.services.frontend.app import PER_KEY_CONCURRENCY, Stream, create_app, create_metrics_app
 from splitserve.services.frontend.console_data import ConsoleData
 from splitserve.services.frontend.guard import HEADER_TIMEOUT_S, exposure_warning, guarded_httptools
+from splitserve.services.frontend.whatif import WHATIF_TIMEOUT_S, WhatIfRunner
 from splitserve.tenancy.config import TenantsConfig
 
 # The metrics port of `python -m splitserve.services.frontend` (OpenTelemetry's Prometheus exporter's port).
@@ -85,6 +87,8 @@ class FrontendService(Service):
         header_timeout_s: float = HEADER_TIMEOUT_S,
         keep_alive_s: int = KEEP_ALIVE_S,
         registry_warmup_s: float = REGISTRY_WARMUP_S,
+        whatif_traces: Path | None = None,
+        whatif_timeout_s: float = WHATIF_TIMEOUT_S,
         **kw: Any,
     ) -> None:
         super().__init__(worker_id, nats_url, **kw)
@@ -122,7 +126,9 @@ class FrontendService(Service):
         # The web console (/console): the same figures, drawn; its own keys (admin) besides the tenants' keys.
         self.console = ConsoleData(self.cluster_metrics, lambda: self.bus.nc if self.bus is not None else None,
                                    tenants=tenants)
-        console.install(self.app, self.console, console.ConsoleAuth(api_keys, admin_keys or []))
+        # The console's what-if panel: the simulator on this tenants file, in a child process (one at a time).
+        self.whatif = WhatIfRunner(tenants=tenants, traces_dir=whatif_traces, timeout_s=whatif_timeout_s)
+        console.install(self.app, self.console, console.ConsoleAuth(api_keys, admin_keys or []), self.whatif)
 
     # --- lifecycle ----------------------------------------------------------------------------------
     async def setup(self) -> None:

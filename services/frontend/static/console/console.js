@@ -2,7 +2,9 @@
 "use strict";
 
 const KEY_STORE = "splitserve.console.key";
-const state = { who: null, page: null, timer: null, usageWindow: "24h", trace: null };
+const state = { who: null, page: null, timer: null, usageWindow: "24h", trace: null, whatif: null,
+  whatifRunning: false };
+const ADMIN_PAGES = ["cluster", "explorer", "whatif"];
 
 // ------------------------------------------------------------------------------------------- helpers
 
@@ -96,7 +98,7 @@ async function whoami() {
     : `tenant ${state.who.tenant}`;
   $("logout").hidden = !state.who.auth;
   for (const a of document.querySelectorAll("nav a")) {
-    const adminOnly = ["cluster", "explorer"].includes(a.dataset.page);
+    const adminOnly = ADMIN_PAGES.includes(a.dataset.page);
     a.hidden = adminOnly && !state.who.admin;
   }
 }
@@ -366,10 +368,129 @@ async function explain(ev) {
   wt, el("div", { class: "strategies" }, cards));
 }
 
+// ------------------------------------------------------------------------------------------- what-if
+
+// The form's choices (traces, example changes, limits), asked for once per visit of the page: a run is never
+// repeated or refreshed by a timer (each one is seconds to a minute of simulation on the front door's host).
+async function renderWhatIf() {
+  const d = await api("/whatif/traces");
+  const first = state.whatif === null;
+  state.whatif = d;
+  $("whatif-timeout").textContent = d.timeout_s >= 60 && d.timeout_s % 60 === 0 ? `${num(d.timeout_s / 60)} min`
+    : `${num(d.timeout_s)} s`;
+  const note = $("whatif-note");
+  const problems = [];
+  if (!d.tenants_file) problems.push("this front door runs without --tenants: the what-if needs its tenants file.");
+  if (!d.traces.length) problems.push("no trace files in the front door's traces folder (--whatif-traces DIR).");
+  note.hidden = !problems.length;
+  note.textContent = problems.join(" ");
+  const traceSel = $("whatif-trace");
+  const picked = traceSel.value;
+  traceSel.replaceChildren(...d.traces.map((t) => el("option", { value: t.name },
+    `${t.alias ? t.alias + " · " : ""}${t.name}${t.bytes !== null ? " (" + bytes(t.bytes) + ")" : ""}`)));
+  // Keep the operator's pick; else the Mooncake trace the examples were written for, else the first.
+  const names = d.traces.map((t) => t.name);
+  traceSel.value = names.includes(picked) ? picked
+    : (d.traces.find((t) => t.alias === "mooncake") || d.traces[0] || { name: "" }).name;
+  const exSel = $("whatif-example");
+  const exPicked = exSel.value;
+  exSel.replaceChildren(...d.examples.map((e) => el("option", { value: e.name }, e.name)));
+  if (exPicked && d.examples.some((e) => e.name === exPicked)) exSel.value = exPicked;
+  if (first && !$("whatif-change").value) $("whatif-change").value = (d.examples[0] || { text: "" }).text;
+  $("whatif-run").disabled = !d.tenants_file || !d.traces.length || state.whatifRunning === true;
+}
+
+function whatIfExample() {
+  const e = ((state.whatif || {}).examples || []).find((x) => x.name === $("whatif-example").value);
+  if (e) $("whatif-change").value = e.text;
+}
+
+const pools = (r) => `${r.prefill}P:${r.decode}D${r.long_decode ? ` + ${r.long_decode} long` : ""}`;
+const slo = (s) => (s && (s.ttft_p99_ms !== null || s.itl_p99_ms !== null)
+  ? `${s.ttft_p99_ms !== null ? ms(s.ttft_p99_ms) : "-"} / ${s.itl_p99_ms !== null ? ms(s.itl_p99_ms) : "-"}` : "-");
+
+function whatIfVerdict(w) {
+  const accepted = w.accepted === true;
+  const rb = w.runs.before, ra = w.runs.after;
+  const c = w.change || {};
+  const what = (c.add_tenant || []).map((a) => `add ${a.name} (${num(a.requests)} requests)`)
+    .concat((c.set_tenant || []).map((s) => `set ${s.name} (${(s.fields || []).join(", ")})`))
+    .concat(c.pools ? [`pools ${pools(rb)} → ${pools(ra)}`] : []);
+  const head = el("h4", {}, el("span", { class: `badge ${accepted ? "ok" : "err"}` }, accepted ? "ACCEPTED" : "REFUSED"),
+    " ", accepted ? "every tenant that held its SLO before still holds after"
+      : `${w.breaks.length} promise${w.breaks.length === 1 ? "" : "s"} would break`);
+  const breaks = (w.breaks || []).map((b) => el("li", { class: "whatif-break", "data-tenant": b.tenant || "" },
+    b.tenant ? el("b", {}, b.tenant) : el("b", {}, "contracts"), ": ", (b.reasons || []).join("; ")));
+  const run = (label, r) => [label, `${pools(r)} (${num(r.gpus)} GPUs): ${num(r.requests)} requests, `
+    + `${num(r.finished)} finished, ${num(r.refused)} refused, ${num(r.failed)} failed; utilisation prefill `
+    + `${num(100 * ((r.utilisation || {}).prefill || 0))}% decode ${num(100 * ((r.utilisation || {}).decode || 0))}%`];
+  return el("div", { class: `card panel verdict ${accepted ? "accepted" : "refused"}`, id: "whatif-verdict",
+    "data-verdict": accepted ? "accepted" : "refused" }, head,
+  breaks.length ? el("ul", {}, breaks) : null,
+  facts([["change", what.join("; ") || "-"], run("before", rb), run("after", ra),
+    ["trace", `${w.trace} · seed ${w.seed} · simulated in ${num(w.wall_s, 1)} s`]]),
+  (w.already_failing || []).map((t) => el("p", { class: "hint" },
+    `${t} already missed its SLO before the change (not held against it)`)));
+}
+
+function whatIfTable(w) {
+  const t = el("table", { class: "grid", id: "whatif-tenants" });
+  const rows = [];
+  for (const row of w.tenants) {
+    for (const label of ["before", "after"]) {
+      const r = row[label];
+      if (!r) continue;
+      // After the change, a break says why the tenant refuses it (as the CLI prints); else the run's own misses.
+      const miss = label === "after" && (row.breaks || []).length ? row.breaks : r.misses || [];
+      rows.push(el("tr", { class: `whatif-row${label === "after" ? " after" : ""}`, "data-tenant": row.tenant,
+        "data-run": label },
+      td(label === "before" || !row.before ? [row.tenant, row.status !== "same"
+        ? el("span", { class: "badge" }, row.status) : null] : ""),
+      td(label), td(num(r.requests), "num"), td(num(r.finished), "num"),
+      td(r.refused ? `${num(r.refused)} (${Object.entries(r.refused_by || {}).map(([k, v]) => `${k} ${v}`).join(", ")})`
+        : "0", "num"),
+      td(num(r.throughput_rps, 3), "num"), td(ms(r.ttft_p50_ms), "num"), td(ms(r.ttft_p99_ms), "num"),
+      td(ms(r.itl_p99_ms), "num"), td(slo(row[`slo_${label}`]), "num"),
+      td(miss.length ? el("span", { class: "error" }, `NO: ${miss.join("; ")}`) : el("span", { class: "ok" }, "yes"))));
+    }
+  }
+  table(t, [["tenant"], ["run"], ["requests", "num"], ["finished", "num"], ["refused", "num"], ["req/s", "num"],
+    ["TTFT p50", "num"], ["TTFT p99", "num"], ["ITL p99", "num"], ["target TTFT / ITL p99", "num"], ["holds?"]], rows);
+  return t;
+}
+
+async function runWhatIf(ev) {
+  ev.preventDefault();
+  if (state.whatifRunning) return;
+  const out = $("whatif-result");
+  const btn = $("whatif-run");
+  const status = $("whatif-status");
+  const intOr = (v) => (v === "" ? null : Number(v));
+  state.whatifRunning = true;
+  btn.disabled = true;
+  status.replaceChildren(el("span", { class: "spinner" }), " running… (up to a minute)");
+  try {
+    const w = await api("/whatif", { method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ change: $("whatif-change").value, trace: $("whatif-trace").value,
+        prefill: intOr($("whatif-prefill").value), decode: intOr($("whatif-decode").value) }) });
+    out.replaceChildren(whatIfVerdict(w), whatIfTable(w),
+      el("p", { class: "hint" }, "latencies from the simulator; targets from the tenants file ('-': none)"));
+    status.textContent = "";
+  } catch (e) {
+    if (e.message !== "sign in") {
+      out.replaceChildren(el("pre", { class: "error", id: "whatif-error" }, e.message));
+    }
+    status.textContent = "";
+  } finally {
+    state.whatifRunning = false;
+    btn.disabled = false;
+  }
+}
+
 // ------------------------------------------------------------------------------------------- routing
 
 const PAGES = { cluster: [renderCluster, 2000], tenants: [renderTenants, 3000], requests: [renderRequests, 0],
-  explorer: [null, 0] };
+  explorer: [null, 0], whatif: [renderWhatIf, 0] };
 
 async function refresh() {
   const [fn] = PAGES[state.page] || [];
@@ -387,7 +508,7 @@ async function show() {
   let [page, ...rest] = location.hash.replace(/^#/, "").split("/");
   if (!state.who) return;
   if (!PAGES[page]) page = state.who.admin ? "cluster" : "tenants";
-  if (!state.who.admin && (page === "cluster" || page === "explorer")) page = "tenants";
+  if (!state.who.admin && ADMIN_PAGES.includes(page)) page = "tenants";
   state.page = page;
   state.trace = page === "requests" && rest.length ? decodeURIComponent(rest.join("/")) : null;
   if (state.trace) $("trace-id").value = state.trace;
@@ -426,4 +547,6 @@ $("trace-form").addEventListener("submit", (ev) => {
   if (id) location.hash = `#requests/${id}`;
 });
 $("explain-form").addEventListener("submit", explain);
+$("whatif-form").addEventListener("submit", runWhatIf);
+$("whatif-example").addEventListener("change", whatIfExample);
 start();
