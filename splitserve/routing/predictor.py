@@ -306,9 +306,9 @@ class LatencyPredictor:
         """Predicted wait for KV / a decode slot on ``decoder`` for a request needing ``need_blocks`` new blocks:
         0 when its pool is unknown or takes it with nobody waiting, else ``kv_wait_ms`` per request in line; a
         decoder whose every slot is taken (``max_seqs`` known: a live heartbeat's) likewise."""
-        line = decoder.queued_requests + decoder.waiting  # (views carry one or the other)
-        if decoder.max_seqs and (line or decoder.active_seqs >= decoder.max_seqs):
-            return self.config.kv_wait_ms * (line + 1)  # every slot taken: it starts when a stream ends
+        if decoder.max_seqs and decoder.active_seqs >= decoder.max_seqs:
+            # every slot taken: it starts when a stream ends, after the ones already waiting
+            return self.config.kv_wait_ms * (decoder.queued_requests + decoder.waiting + 1)
         if not decoder.total_blocks or (need_blocks <= decoder.free_blocks and not decoder.queued_requests):
             return 0.0
         return self.config.kv_wait_ms * (decoder.queued_requests + 1)
