@@ -8,7 +8,7 @@ The rule is the simulator's (:class:`~splitserve.routing.admission.SloAdmission`
 :meth:`~splitserve.routing.policies.PolicySet.slo_estimate` (the best candidate's predicted TTFT and ITL from the
 workers' own heartbeats: nothing is routed) plus the wait in the tenant's queue lane: its requests queued (or
 being stored) beyond the slots dispatch may fill at once, at the pace the queue drains for it
-(:meth:`SloGate._drain_rps`).
+(:func:`~splitserve.routing.admission.drain_rps`, the simulator's too).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from splitserve.proto import GenerateRequest
 from splitserve.routing import NoWorkers
-from splitserve.routing.admission import Refuse, SloAdmission, queue_wait_ms
+from splitserve.routing.admission import Refuse, SloAdmission, drain_rps, queue_wait_ms, weighted_share
 from splitserve.services.router.core import RouterCore
 from splitserve.services.router.inputs import routing_inputs
 
@@ -60,15 +60,18 @@ class SloGate(RouterCore):
             return None
         now = self.clock()
         rreq, views, model, _ = routing_inputs(self, req, ids, self._cache_salt(req), now)
+        wait = 0.0
         try:
             est = self.policy.slo_estimate(rreq, views, now, model)
         except NoWorkers:
             return None  # dispatch fails it the same way, and says so
-        wait = 0.0
         # Ahead of it: the tenant's requests queued or being stored, less the slots dispatch may fill at once.
         ahead = queued + self._entering.get(req.tenant, 0) - self.book.free_slots(now, model)
         if ahead > 0:
-            wait = queue_wait_ms(ahead, self._drain_rps(req, model, now))
+            share = weighted_share(req.tenant, self.wq.pending_by_tenant(), self.tenants.weight)
+            measured = self._rate(req.tenant, "dispatched").per_s(now) * self._router_share()[1]
+            rate = drain_rps(views, self.policy.predictor_of(model), req.sampling.max_tokens, share, measured)
+            wait = queue_wait_ms(ahead, rate) if rate > 0 else 0.0  # nothing known: not guessed
         verdict = self.slo_admission.check(est, slo.ttft_p99_ms, slo.itl_p99_ms, wait)
         if not isinstance(verdict, Refuse):
             return None
@@ -77,27 +80,6 @@ class SloGate(RouterCore):
                       predicted_itl_ms=_ms(verdict.predicted_itl_ms), decoder=est.decoder,
                       retry_after_s=verdict.retry_after_s)
         return verdict
-
-
-    def _drain_rps(self, req: GenerateRequest, model: str, now: float) -> float:
-        """How fast the tenant's queue drains, requests/s: the cluster's pace for requests like this one (each of
-        the model's decoders finishes a full batch of them in max_tokens steps at its predicted full-batch step
-        time) at the tenant's weighted share among the tenants waiting, or the rate its requests were dispatched
-        lately (this router's times the live routers) if that is faster (a rate measured while the tenant sent
-        little says what it asked, not what the cluster could do)."""
-        predictor = self.policy.predictor_of(model)
-        capacity = 0.0
-        for hb in self._live("decode", model, now):
-            slots = hb.load.max_seqs or 0
-            decode_s = req.sampling.max_tokens * predictor.step_ms(hb.worker_id, slots) / 1000
-            if slots and decode_s > 0:
-                capacity += slots / decode_s
-        weight = self.tenants.weight
-        waiting = self.wq.pending_by_tenant()
-        share = weight(req.tenant) / (weight(req.tenant) + sum(weight(t) for t, n in waiting.items()
-                                                               if n > 0 and t != req.tenant))
-        measured = self._rate(req.tenant, "dispatched").per_s(now) * self._router_share()[1]
-        return max(capacity * share, measured)
 
 
 def _ms(x: float) -> float | None:

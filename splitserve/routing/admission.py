@@ -14,8 +14,8 @@ intake both apply, and the two small estimates it needs:
   ``max_retry_after_s``; an ITL refusal alone (a batch too big, which no wait can be computed for) says
   ``itl_retry_after_s``.
 * :func:`queue_wait_ms` - the wait ahead in the router's queue from what is queued ahead (requests, prompt
-  tokens) and the recent dispatch rate (requests per second, the tenant's ``share`` of it when the fair
-  scheduler splits dispatch among several queued tenants); :class:`RateMeter` measures that rate.
+  tokens) and the pace it drains at; :func:`drain_rps` - that pace (the decoders' for requests like this one, at
+  the tenant's :func:`weighted_share`, or its measured dispatch rate if faster).
 
 Pure and synchronous; times are passed in (``now``: seconds, any monotonic clock).
 """
@@ -23,12 +23,14 @@ Pure and synchronous; times are passed in (``now``: seconds, any monotonic clock
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from splitserve.routing.predictor import SloEstimate
+from splitserve.routing.base import DECODE, WorkerView
+from splitserve.routing.predictor import LatencyPredictor, SloEstimate
 
-__all__ = ["Admit", "RateMeter", "Refuse", "SloAdmission", "Verdict", "queue_wait_ms"]
+__all__ = ["Admit", "Refuse", "SloAdmission", "Verdict", "drain_rps", "queue_wait_ms", "weighted_share"]
 
 TTFT_UNMEETABLE: Final = "ttft_unmeetable"
 ITL_UNMEETABLE: Final = "itl_unmeetable"
@@ -119,33 +121,26 @@ def queue_wait_ms(ahead_requests: int, dispatch_rps: float | None, *, ahead_prom
     return 1000.0 * wait_s
 
 
-class RateMeter:
-    """Events per second over the last ``tau_s`` or so (exponentially decayed count, corrected for a meter younger
-    than ``tau_s`` so the first seconds are not under-read). Deterministic: time is passed in."""
+def weighted_share(tenant: str, waiting: Mapping[str, int], weight: Callable[[str], float]) -> float:
+    """``tenant``'s share (0-1] of dispatch among the tenants with requests ``waiting``, by weight (the fair
+    scheduler's split when all of them are backlogged)."""
+    mine = weight(tenant)
+    others = sum(weight(t) for t, n in waiting.items() if n > 0 and t != tenant)
+    return mine / (mine + others) if mine > 0 else 0.0
 
-    __slots__ = ("tau_s", "_count", "_at", "_start")
 
-    def __init__(self, tau_s: float = 10.0) -> None:
-        if tau_s <= 0:
-            raise ValueError("tau_s must be positive")
-        self.tau_s = tau_s
-        self._count = 0.0
-        self._at: float | None = None
-        self._start: float | None = None
-
-    def tick(self, now: float, n: int = 1) -> None:
-        if self._at is None:
-            self._start = self._at = now
-        elif now > self._at:
-            self._count *= math.exp(-(now - self._at) / self.tau_s)
-            self._at = now
-        self._count += n
-
-    def rate(self, now: float) -> float:
-        if self._at is None or self._start is None:
-            return 0.0
-        age = max(now - self._start, 0.0)
-        count = self._count * math.exp(-max(now - self._at, 0.0) / self.tau_s)
-        window = self.tau_s * (1.0 - math.exp(-age / self.tau_s)) if age > 0 else 0.0
-        # a meter that has seen one instant only: no rate yet (one event over zero time is not a rate)
-        return count / window if window > 1e-9 else 0.0
+def drain_rps(decoders: Sequence[WorkerView], predictor: LatencyPredictor, max_tokens: int, share: float,
+              measured_rps: float = 0.0) -> float:
+    """How fast a tenant's queue drains, requests/s: the decoders' pace for requests like this one (each finishes
+    a full batch of them, ``max_seqs``, in ``max_tokens`` steps at its predicted full-batch step time) at the
+    tenant's ``share``, or the rate its requests were dispatched lately (``measured_rps``) if that is faster (a rate
+    measured while the tenant sent little says what it asked for, not what the cluster can do). 0: nothing known.
+    The live router's SLO admission and the simulator's read the same."""
+    capacity = 0.0
+    for d in decoders:
+        if d.role != DECODE or not d.live or not d.max_seqs:
+            continue
+        decode_s = max_tokens * predictor.step_ms(d.worker_id, d.max_seqs) / 1000.0
+        if decode_s > 0:
+            capacity += d.max_seqs / decode_s
+    return max(capacity * min(max(share, 0.0), 1.0), measured_rps)

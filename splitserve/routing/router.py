@@ -129,17 +129,25 @@ class Router:
         return self.strategy.name
 
     # ------------------------------------------------------------------------------------------ decide
-    def decide(self, request: RoutingRequest, workers: Sequence[WorkerView], now: float) -> Decision:
-        self.predictor.observe(workers, now)  # the views as reported: the pending overlay is not a measurement
+    def _pools(self, request: RoutingRequest, workers: Sequence[WorkerView], now: float
+               ) -> tuple[list[WorkerView], list[WorkerView], str]:
+        """(the decoders the request may use, the prefillers, their context pool), live, with the pending load on
+        top; the predictor learns from the views as reported first (the pending overlay is not a measurement).
+        Raises NoWorkers when no decoder is live."""
+        self.predictor.observe(workers, now)
         if self.pending is not None:
             workers = self.pending.overlay(workers, now)
         decoders = [w for w in workers if w.role == DECODE and w.live]
         prefillers = [w for w in workers if w.role == PREFILL and w.live]
         if not decoders:
             raise NoWorkers(DECODE, f"{len(prefillers)} prefill workers live")
+        decoders, context_pool = self.context.candidates(request.num_prompt_tokens(), decoders)
+        return decoders, prefillers, context_pool
+
+    def decide(self, request: RoutingRequest, workers: Sequence[WorkerView], now: float) -> Decision:
+        decoders, prefillers, context_pool = self._pools(request, workers, now)
         bs = self.block_size
         prompt = request.num_prompt_tokens()
-        decoders, context_pool = self.context.candidates(prompt, decoders)
 
         dsel = self.strategy.select(request, decoders, DECODE, now, bs)
         chosen = dsel.chosen
@@ -203,16 +211,9 @@ class Router:
         :class:`~splitserve.routing.policies.PolicySet` interface (a Router is already one model's policy).
         Raises :class:`NoWorkers` when no decoder is live."""
         pred = self.predictor
-        pred.observe(workers, now)
-        if self.pending is not None:
-            workers = self.pending.overlay(workers, now)
-        decoders = [w for w in workers if w.role == DECODE and w.live]
-        prefillers = [w for w in workers if w.role == PREFILL and w.live]
-        if not decoders:
-            raise NoWorkers(DECODE, f"{len(prefillers)} prefill workers live")
+        decoders, prefillers, _ = self._pools(request, workers, now)
         bs = self.block_size
         prompt = request.num_prompt_tokens()
-        decoders, _ = self.context.candidates(prompt, decoders)
         held = self.index.lookup(request.hashes(bs)) if self.index is not None and prompt else {}
 
         def cached(wid: str) -> int:

@@ -51,11 +51,12 @@ from typing import Any
 
 from splitserve.cache.events import KvEventBatch
 from splitserve.cache.index import PrefixIndex
+from splitserve.obs.rates import EventRate
 from splitserve.proto import request_key
 from splitserve.routing import NoWorkers, RoutingRequest, WorkerView
 from splitserve.routing.adapter_lru import AdapterLru
 from splitserve.routing.adapters import adapter_views
-from splitserve.routing.admission import RateMeter, Refuse, SloAdmission, queue_wait_ms
+from splitserve.routing.admission import Refuse, SloAdmission, drain_rps, queue_wait_ms, weighted_share
 from splitserve.routing.book import Flight, RequestBook
 from splitserve.routing.live import build_policies, dispatch_batch, live_disagg, view_from_load
 from splitserve.sim.clock import EventLoop
@@ -271,7 +272,7 @@ class Sim:
         # SLO targets per tenant (ms), SLO admission and the dispatch rate its queue-wait estimate reads
         self._slo_targets: dict[str, tuple[float | None, float | None]] = {}
         self.admission = SloAdmission(slack=cfg.admission_slack) if cfg.slo_admission else None
-        self.dispatch_rate = RateMeter(5.0)
+        self.dispatched: dict[str, EventRate] = {}  # per tenant, as the live router measures it (admission)
         self.admission_log: list[tuple[str, str, int]] = []  # (tenant, reason, retry_after_s) per refusal
         self.failed: list[tuple[SimRequest, str]] = []
         self.kv_bytes = 0
@@ -424,12 +425,15 @@ class Sim:
         except NoWorkers:
             return True  # routing fails it the same way, and says so
         wait = 0.0
-        if self.cfg.queue and queued:
-            pending = self.lane_pending[lane]
-            weight = self.tenants.weight
-            mine = weight(r.tenant)
-            share = mine / (mine + sum(weight(t) for t, n in pending.items() if n and t != r.tenant))
-            wait = queue_wait_ms(queued, self.dispatch_rate.rate(now), share=share)
+        # As the live intake: its tenant's requests queued beyond the slots dispatch may fill at once, at the pace
+        # the queue drains for it (splitserve.services.router.slo_gate).
+        ahead = queued - self.book.free_slots(now, lane) if self.cfg.queue else 0
+        if ahead > 0:
+            share = weighted_share(r.tenant, self.lane_pending[lane], self.tenants.weight)
+            rate = self.dispatched.get(r.tenant)
+            rate_rps = drain_rps(self._candidates(r, model) if scoped else self.views, self.router.predictor_of(model),
+                                 r.output_tokens, share, rate.per_s(now) if rate is not None else 0.0)
+            wait = queue_wait_ms(ahead, rate_rps) if rate_rps > 0 else 0.0
         verdict = self.admission.check(est, ttft, itl, wait)
         if isinstance(verdict, Refuse):
             self.refused.append((r, f"slo_{verdict.reason}"))
@@ -487,7 +491,9 @@ class Sim:
             self.log.append(("route", now, r.request_id, r.tenant, r.token_ids, r.output_tokens,
                              {**d.to_dict(), "request_id": r.request_id}))
         if self.admission is not None:
-            self.dispatch_rate.tick(now)
+            if (rate := self.dispatched.get(r.tenant)) is None:
+                rate = self.dispatched[r.tenant] = EventRate()
+            rate.add(now)
         charge = r.prompt_tokens + r.output_tokens
         self.fair.charge(r.tenant, charge)
         if self.contracts_on:

@@ -26,9 +26,10 @@ A limit left out (or null) means unlimited. Without a tenants file the cluster r
 the default limits, no NATS authentication.
 
 SLO targets (``slo:``, :class:`TenantSlo`): the p99 time to first token and p99 inter-token latency a tenant is
-promised, each optional; a tenant's own targets override the defaults' one by one. The live router and workers do
-nothing with them yet: only ``splitserve sim what-if`` (:mod:`splitserve.sim.whatif`) checks a proposed change
-against them.
+promised, each optional; a tenant's own targets override the defaults' one by one. The ``slo`` routing strategy
+routes on them (:mod:`splitserve.routing.slo`), a router with ``--slo-admission`` refuses at once what cannot meet
+them (:mod:`splitserve.services.router.slo_gate`), and ``splitserve sim what-if`` (:mod:`splitserve.sim.whatif`)
+checks a proposed change against them.
 
 Prefix-cache isolation: every cached KV block is keyed by a cache salt (the root of its hash chain, see
 :mod:`splitserve.cache.hashing`), and :meth:`TenantsConfig.cache_salt` gives each request its salt. By default
@@ -53,8 +54,8 @@ from splitserve.tenancy.contracts import Contract
 
 class TenantSlo(BaseModel):
     """A tenant's latency targets, in milliseconds, each optional (None: no target): p99 time to first token and
-    p99 inter-token latency over its requests. Only ``splitserve sim what-if`` reads them today (nothing in the
-    live path enforces or reports against them). Strict numbers: ``true`` or ``"800"`` is a mistake, not 1 ms."""
+    p99 inter-token latency over its requests (the ``slo`` strategy, SLO admission and the what-if read them).
+    Strict numbers: ``true`` or ``"800"`` is a mistake, not 1 ms."""
 
     model_config = ConfigDict(extra="forbid")
 

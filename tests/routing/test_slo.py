@@ -21,7 +21,7 @@ from splitserve.routing import (
     SloStrategy,
     WorkerView,
 )
-from splitserve.routing.admission import Admit, RateMeter, Refuse, SloAdmission, queue_wait_ms
+from splitserve.routing.admission import Admit, Refuse, SloAdmission, drain_rps, queue_wait_ms, weighted_share
 from splitserve.routing.live import build_policies, live_disagg
 
 BS = 16
@@ -295,12 +295,21 @@ def test_queue_wait_from_what_is_ahead_and_the_dispatch_rate() -> None:
     assert queue_wait_ms(10, 5.0, share=0.5) == pytest.approx(4000.0)
     assert queue_wait_ms(1, 100.0, ahead_prompt_tokens=50_000, prefill_tokens_per_s=10_000.0) == pytest.approx(5000.0)
     assert queue_wait_ms(3, 0.0) == math.inf and queue_wait_ms(3, None) == math.inf
-    m = RateMeter(5.0)
-    assert m.rate(0.0) == 0.0
-    for i in range(300):
-        m.tick(i / 10.0)
-    assert m.rate(30.0) == pytest.approx(10.0, rel=0.05)
-    m2 = RateMeter(5.0)
-    for i in range(10):  # young meter: not under-read
-        m2.tick(i / 10.0)
-    assert m2.rate(1.0) == pytest.approx(10.0, rel=0.2)
+
+
+def test_the_queue_drains_at_the_decoders_pace_for_the_tenants_share() -> None:
+    """Two decoders of 16 slots at 10 + 2/seq ms a step: a 50-token request takes 50 x 42 ms = 2.1 s at a full
+    batch, so together they finish 32 / 2.1 s = 15.2 requests/s; a tenant with a third of the weight waiting gets a
+    third of that, unless it was measured faster."""
+    pred = LatencyPredictor(prior_weight=1e-6, default_weight=1e-6)
+    for wid in ("d0", "d1"):
+        for n in range(1, 17):
+            pred.observe([WorkerView(wid, active_seqs=n, step_ms=10.0 + 2.0 * n, max_seqs=16)], float(n))
+    views = [WorkerView("d0", max_seqs=16), WorkerView("d1", max_seqs=16), WorkerView("p0", role="prefill"),
+             WorkerView("d2")]  # a prefiller and a decoder of unknown batch size add nothing
+    assert drain_rps(views, pred, 50, 1.0) == pytest.approx(32 / 2.1, rel=0.02)
+    share = weighted_share("a", {"a": 3, "b": 5, "idle": 0}, {"a": 1.0, "b": 2.0, "idle": 5.0}.__getitem__)
+    assert share == pytest.approx(1 / 3)
+    assert drain_rps(views, pred, 50, share) == pytest.approx(32 / 2.1 / 3, rel=0.02)
+    assert drain_rps(views, pred, 50, share, measured_rps=9.0) == 9.0
+    assert drain_rps([WorkerView("d2")], pred, 50, 1.0) == 0.0  # nothing known: the caller does not guess
