@@ -626,9 +626,8 @@ def log_pump(src: IO[bytes], log: Path, service: str) -> None:
     report at exit, UCX, a fatal signal's dump) is wrapped here, so every line of every log parses."""
     read = getattr(src, "read1", None) or src.read
     with open(log, "ab", buffering=0, opener=private_opener) as out:
-        # Whatever the pipe holds is copied in one write (under load a service writes a line per request: a
-        # write per line cost the supervisor a system call each, ~0.3 ms of CPU per request in the hot-path
-        # bench); a line split across reads waits in ``rest`` for its end.
+        # Whatever the pipe holds is copied in one write (a burst of lines, one system call); a line split across
+        # reads waits in ``rest`` for its end.
         rest = b""
         while chunk := read(1 << 16):
             lines = (rest + chunk).split(b"\n")
