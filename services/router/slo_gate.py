@@ -7,8 +7,8 @@ here runs.
 The rule is the simulator's (:class:`~splitserve.routing.admission.SloAdmission`): the routing policy's
 :meth:`~splitserve.routing.policies.PolicySet.slo_estimate` (the best candidate's predicted TTFT and ITL from the
 workers' own heartbeats: nothing is routed) plus the wait in the tenant's queue lane: its requests queued (or
-being stored) beyond the slots dispatch may fill at once, at the pace the queue drains for it
-(:func:`~splitserve.routing.admission.drain_rps`, the simulator's too).
+being stored) beyond the slots it could start in at once, at the pace the queue drains for it, and never less than
+the time until the first running request ends (:mod:`splitserve.routing.admission`, the simulator's too).
 """
 
 from __future__ import annotations
@@ -20,7 +20,15 @@ from typing import Any
 
 from splitserve.proto import GenerateRequest
 from splitserve.routing import NoWorkers
-from splitserve.routing.admission import Refuse, SloAdmission, drain_rps, queue_wait_ms, weighted_share
+from splitserve.routing.admission import (
+    Refuse,
+    SloAdmission,
+    drain_rps,
+    first_end_ms,
+    free_now,
+    queue_wait_ms,
+    weighted_share,
+)
 from splitserve.services.router.core import RouterCore
 from splitserve.services.router.inputs import routing_inputs
 
@@ -65,13 +73,20 @@ class SloGate(RouterCore):
             est = self.policy.slo_estimate(rreq, views, now, model)
         except NoWorkers:
             return None  # dispatch fails it the same way, and says so
-        # Ahead of it: the tenant's requests queued or being stored, less the slots dispatch may fill at once.
-        ahead = queued + self._entering.get(req.tenant, 0) - self.book.free_slots(now, model)
+        # Ahead of it: the tenant's requests queued or being stored, less the slots it could start in at once.
+        before = queued + self._entering.get(req.tenant, 0)
+        ahead = before - free_now(views, self.book.free_slots(now, model))
         if ahead > 0:
+            predictor = self.policy.predictor_of(model)
             share = weighted_share(req.tenant, self.wq.pending_by_tenant(), self.tenants.weight)
             measured = self._rate(req.tenant, "dispatched").per_s(now) * self._router_share()[1]
-            rate = drain_rps(views, self.policy.predictor_of(model), req.sampling.max_tokens, share, measured)
+            rate = drain_rps(views, predictor, req.sampling.max_tokens, share, measured)
             wait = queue_wait_ms(ahead, rate) if rate > 0 else 0.0  # nothing known: not guessed
+            # the requests before it take the free slots first: taken as long as this one (its tenant's own)
+            running = [(f.decoder, f.request.sampling.max_tokens - len(f.tokens))
+                       for f in self.inflight.values() if f.request is not None]
+            running.append((est.decoder, req.sampling.max_tokens))
+            wait = max(wait, first_end_ms(running, views, predictor))
         verdict = self.slo_admission.check(est, slo.ttft_p99_ms, slo.itl_p99_ms, wait)
         if not isinstance(verdict, Refuse):
             return None

@@ -15,7 +15,9 @@ intake both apply, and the two small estimates it needs:
   ``itl_retry_after_s``.
 * :func:`queue_wait_ms` - the wait ahead in the router's queue from what is queued ahead (requests, prompt
   tokens) and the pace it drains at; :func:`drain_rps` - that pace (the decoders' for requests like this one, at
-  the tenant's :func:`weighted_share`, or its measured dispatch rate if faster).
+  the tenant's :func:`weighted_share`, or its measured dispatch rate if faster), counted from the slots a request
+  can start in at once (:func:`free_now`) and never shorter than the time until a running request ends
+  (:func:`first_end_ms`).
 
 Pure and synchronous; times are passed in (``now``: seconds, any monotonic clock).
 """
@@ -23,14 +25,16 @@ Pure and synchronous; times are passed in (``now``: seconds, any monotonic clock
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from splitserve.routing.base import DECODE, WorkerView
+from splitserve.routing.live import overfill
 from splitserve.routing.predictor import LatencyPredictor, SloEstimate
 
-__all__ = ["Admit", "Refuse", "SloAdmission", "Verdict", "drain_rps", "queue_wait_ms", "weighted_share"]
+__all__ = ["Admit", "Refuse", "SloAdmission", "Verdict", "drain_rps", "first_end_ms", "free_now", "queue_wait_ms",
+           "weighted_share"]
 
 TTFT_UNMEETABLE: Final = "ttft_unmeetable"
 ITL_UNMEETABLE: Final = "itl_unmeetable"
@@ -144,3 +148,31 @@ def drain_rps(decoders: Sequence[WorkerView], predictor: LatencyPredictor, max_t
         if decode_s > 0:
             capacity += d.max_seqs / decode_s
     return max(capacity * min(max(share, 0.0), 1.0), measured_rps)
+
+
+def free_now(decoders: Sequence[WorkerView], ledger_free: int) -> int:
+    """Slots a request can start in at once: what the dispatch ledger offers (``ledger_free``: it counts what was
+    sent but not reported yet) within the decoders' batch sizes (the ledger overfills a decoder a little so it
+    never idles; a request sent into that margin waits on the decoder for a running one to end). Decoders of
+    unknown batch size count as the ledger says."""
+    known = [d for d in decoders if d.role == DECODE and d.live and d.max_seqs]
+    if not known:
+        return max(0, ledger_free)
+    batch = sum(max(0, (d.max_seqs or 0) - d.active_seqs - d.waiting) for d in known)
+    margin = sum(overfill(d.max_seqs or 0) for d in known)
+    return max(0, min(ledger_free - margin, batch))
+
+
+def first_end_ms(running: Iterable[tuple[str, int]], decoders: Sequence[WorkerView],
+                 predictor: LatencyPredictor) -> float:
+    """When the first of the ``running`` requests ((decoder, tokens left) pairs) should end, ms from now: the
+    fewest tokens left times its decoder's predicted inter-token latency. A request that must wait for a slot
+    waits at least this long, however fast the queue drains on average (a burst that filled every slot at once
+    frees none until its requests end). 0: nothing known to be running."""
+    views = {d.worker_id: d for d in decoders}
+    best = math.inf
+    for wid, left in running:
+        d = views.get(wid)
+        if d is not None and left > 0:
+            best = min(best, left * predictor.itl_ms(d, extra_seqs=0))
+    return best if math.isfinite(best) else 0.0

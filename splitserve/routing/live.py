@@ -69,12 +69,18 @@ def view_from_load(worker_id: str, role: str, pool: str, load: WorkerLoad) -> Wo
     )
 
 
+def overfill(cap: int) -> int:
+    """Requests the dispatch ledger sends a decoder of batch size ``cap`` beyond its batch (they wait there, so it
+    never idles between one request ending and the next arriving)."""
+    return max(1, cap // 4)
+
+
 def decoder_free_slots(max_seqs: int | None, reported: int, mine: int, pool: str) -> int:
     """Decode slots one decoder offers dispatch: its batch size (plus a little, so it never idles between one
     request finishing and the next arriving) less what it runs (``reported``: active + queued in its last
     heartbeat) or this router sent it (``mine``)."""
     cap = max_seqs or DEFAULT_DECODER_SLOTS
-    slots = max(0, cap + max(1, cap // 4) - max(mine, reported))
+    slots = max(0, cap + overfill(cap) - max(mine, reported))
     # A long-context decoder only takes long prompts: counting all its slots would pull short requests off the
     # fair queue for the general decoders to hold. One slot lets a long one through.
     return min(slots, 1) if pool == "long" else slots

@@ -21,7 +21,16 @@ from splitserve.routing import (
     SloStrategy,
     WorkerView,
 )
-from splitserve.routing.admission import Admit, Refuse, SloAdmission, drain_rps, queue_wait_ms, weighted_share
+from splitserve.routing.admission import (
+    Admit,
+    Refuse,
+    SloAdmission,
+    drain_rps,
+    first_end_ms,
+    free_now,
+    queue_wait_ms,
+    weighted_share,
+)
 from splitserve.routing.live import build_policies, live_disagg
 
 BS = 16
@@ -313,3 +322,20 @@ def test_the_queue_drains_at_the_decoders_pace_for_the_tenants_share() -> None:
     assert drain_rps(views, pred, 50, share) == pytest.approx(32 / 2.1 / 3, rel=0.02)
     assert drain_rps(views, pred, 50, share, measured_rps=9.0) == 9.0
     assert drain_rps([WorkerView("d2")], pred, 50, 1.0) == 0.0  # nothing known: the caller does not guess
+
+
+def test_a_request_behind_a_full_batch_waits_for_the_first_to_end() -> None:
+    """free_now: the ledger's free slots (20 on an idle 16-slot decoder: it overfills by 4) within the batch (16);
+    one dispatched that the heartbeat does not show yet leaves 15. first_end_ms: a request that must wait for a
+    slot waits until the running one with the fewest tokens left ends (at the decoder's predicted ITL)."""
+    idle = [WorkerView("d0", max_seqs=16), WorkerView("p0", role="prefill")]
+    assert free_now(idle, 20) == 16 and free_now(idle, 19) == 15 and free_now(idle, 2) == 0
+    assert free_now([WorkerView("d0", max_seqs=16, active_seqs=10, waiting=2)], 20) == 4
+    assert free_now([WorkerView("d9")], 7) == 7  # a batch size nobody reported: the ledger says
+    pred = LatencyPredictor(prior_weight=1e-6, default_weight=1e-6)
+    for n in range(1, 17):
+        pred.observe([WorkerView("d0", active_seqs=n, step_ms=10.0 + 2.0 * n, max_seqs=16)], float(n))
+    views = [WorkerView("d0", max_seqs=16, active_seqs=16)]
+    assert first_end_ms([("d0", 60), ("d0", 5), ("gone", 1), ("d0", 0)], views, pred) == pytest.approx(5 * 42.0,
+                                                                                                      rel=0.02)
+    assert first_end_ms([], views, pred) == 0.0
