@@ -20,15 +20,7 @@ from typing import Any
 
 from splitserve.proto import GenerateRequest
 from splitserve.routing import NoWorkers
-from splitserve.routing.admission import (
-    Refuse,
-    SloAdmission,
-    drain_rps,
-    first_end_ms,
-    free_now,
-    queue_wait_ms,
-    weighted_share,
-)
+from splitserve.routing.admission import Refuse, SloAdmission, queue_wait_for, weighted_share
 from splitserve.services.router.core import RouterCore
 from splitserve.services.router.inputs import routing_inputs
 
@@ -73,20 +65,15 @@ class SloGate(RouterCore):
             est = self.policy.slo_estimate(rreq, views, now, model)
         except NoWorkers:
             return None  # dispatch fails it the same way, and says so
-        # Ahead of it: the tenant's requests queued or being stored, less the slots it could start in at once.
+        # Ahead of it: the tenant's requests queued or being stored (as long as this one, the tenant's own).
         before = queued + self._entering.get(req.tenant, 0)
-        ahead = before - free_now(views, self.book.free_slots(now, model))
-        if ahead > 0:
-            predictor = self.policy.predictor_of(model)
-            share = weighted_share(req.tenant, self.wq.pending_by_tenant(), self.tenants.weight)
-            measured = self._rate(req.tenant, "dispatched").per_s(now) * self._router_share()[1]
-            rate = drain_rps(views, predictor, req.sampling.max_tokens, share, measured)
-            wait = queue_wait_ms(ahead, rate) if rate > 0 else 0.0  # nothing known: not guessed
-            # the requests before it take the free slots first: taken as long as this one (its tenant's own)
-            running = [(f.decoder, f.request.sampling.max_tokens - len(f.tokens))
-                       for f in self.inflight.values() if f.request is not None]
-            running.append((est.decoder, req.sampling.max_tokens))
-            wait = max(wait, first_end_ms(running, views, predictor))
+        if before > 0:
+            wait = queue_wait_for(
+                before, self.book.free_slots(now, model), views, self.policy.predictor_of(model),
+                req.sampling.max_tokens, weighted_share(req.tenant, self.wq.pending_by_tenant(), self.tenants.weight),
+                self._rate(req.tenant, "dispatched").per_s(now) * self._router_share()[1],
+                ((f.decoder, f.request.sampling.max_tokens - len(f.tokens)) for f in self.inflight.values()
+                 if f.request is not None), est.decoder)
         verdict = self.slo_admission.check(est, slo.ttft_p99_ms, slo.itl_p99_ms, wait)
         if not isinstance(verdict, Refuse):
             return None

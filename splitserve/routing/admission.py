@@ -33,8 +33,8 @@ from splitserve.routing.base import DECODE, WorkerView
 from splitserve.routing.live import overfill
 from splitserve.routing.predictor import LatencyPredictor, SloEstimate
 
-__all__ = ["Admit", "Refuse", "SloAdmission", "Verdict", "drain_rps", "first_end_ms", "free_now", "queue_wait_ms",
-           "weighted_share"]
+__all__ = ["Admit", "Refuse", "SloAdmission", "Verdict", "drain_rps", "first_end_ms", "free_now", "queue_wait_for",
+           "queue_wait_ms", "weighted_share"]
 
 TTFT_UNMEETABLE: Final = "ttft_unmeetable"
 ITL_UNMEETABLE: Final = "itl_unmeetable"
@@ -176,3 +176,19 @@ def first_end_ms(running: Iterable[tuple[str, int]], decoders: Sequence[WorkerVi
         if d is not None and left > 0:
             best = min(best, left * predictor.itl_ms(d, extra_seqs=0))
     return best if math.isfinite(best) else 0.0
+
+
+def queue_wait_for(before: int, ledger_free: int, decoders: Sequence[WorkerView], predictor: LatencyPredictor,
+                   max_tokens: int, share: float, measured_rps: float, running: Iterable[tuple[str, int]],
+                   decoder: str) -> float:
+    """The wait, ms, of a request with ``before`` of its tenant's requests queued (or being stored) ahead of it:
+    none while it can start at once (:func:`free_now` of ``ledger_free``); else what is ahead of it at the pace the
+    queue drains (:func:`drain_rps`; nothing known: not guessed), and never less than the time until the first of
+    the ``running`` ((decoder, tokens left) pairs) ends, the requests before it counted as long as this one
+    (``max_tokens`` on ``decoder``, the one it would go to). The live router's SLO admission and the simulator's."""
+    ahead = before - free_now(decoders, ledger_free)
+    if ahead <= 0:
+        return 0.0
+    rate = drain_rps(decoders, predictor, max_tokens, share, measured_rps)
+    wait = queue_wait_ms(ahead, rate) if rate > 0 else 0.0
+    return max(wait, first_end_ms([*running, (decoder, max_tokens)], decoders, predictor))

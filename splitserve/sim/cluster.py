@@ -56,15 +56,7 @@ from splitserve.proto import request_key
 from splitserve.routing import NoWorkers, RoutingRequest, WorkerView
 from splitserve.routing.adapter_lru import AdapterLru
 from splitserve.routing.adapters import adapter_views
-from splitserve.routing.admission import (
-    Refuse,
-    SloAdmission,
-    drain_rps,
-    first_end_ms,
-    free_now,
-    queue_wait_ms,
-    weighted_share,
-)
+from splitserve.routing.admission import Refuse, SloAdmission, queue_wait_for, weighted_share
 from splitserve.routing.book import Flight, RequestBook
 from splitserve.routing.live import build_policies, dispatch_batch, live_disagg, view_from_load
 from splitserve.sim.clock import EventLoop
@@ -433,20 +425,14 @@ class Sim:
         except NoWorkers:
             return True  # routing fails it the same way, and says so
         wait = 0.0
-        # As the live intake: its tenant's requests queued beyond the slots dispatch may fill at once, at the pace
-        # the queue drains for it (splitserve.services.router.slo_gate).
-        views = self._candidates(r, model) if scoped else self.views
-        ahead = queued - free_now(views, self.book.free_slots(now, lane)) if self.cfg.queue else 0
-        if ahead > 0:
-            predictor = self.router.predictor_of(model)
-            share = weighted_share(r.tenant, self.lane_pending[lane], self.tenants.weight)
+        # As the live intake (splitserve.services.router.slo_gate): its tenant's requests queued ahead of it
+        if self.cfg.queue and queued > 0:
+            views = self._candidates(r, model) if scoped else self.views
             rate = self.dispatched.get(r.tenant)
-            rate_rps = drain_rps(views, predictor, r.output_tokens, share, rate.per_s(now) if rate is not None else 0.0)
-            wait = queue_wait_ms(ahead, rate_rps) if rate_rps > 0 else 0.0
-            # (the requests before it take the free slots first: taken as long as this one, as live)
-            running = [(s.decoder, s.left) for d in self.decoders for s in d.running]
-            running.append((est.decoder, r.output_tokens))
-            wait = max(wait, first_end_ms(running, views, predictor))
+            share = weighted_share(r.tenant, self.lane_pending[lane], self.tenants.weight)
+            wait = queue_wait_for(queued, self.book.free_slots(now, lane), views, self.router.predictor_of(model),
+                                  r.output_tokens, share, rate.per_s(now) if rate is not None else 0.0,
+                                  ((s.decoder, s.left) for d in self.decoders for s in d.running), est.decoder)
         verdict = self.admission.check(est, ttft, itl, wait)
         if isinstance(verdict, Refuse):
             self.refused.append((r, f"slo_{verdict.reason}"))
