@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 from splitserve.proto import GenerateRequest
 from splitserve.routing import RoutingRequest, WorkerView
 from splitserve.routing.adapters import adapter_views
-from splitserve.routing.live import view_from_load
 
 if TYPE_CHECKING:
     from splitserve.services.router.core import RouterCore
@@ -24,11 +23,9 @@ def routing_inputs(core: RouterCore, req: GenerateRequest, token_ids: list[int],
     model = core.models.served(req.model).name
     decoders, prefillers = core._live("decode", model, now, req.lora), core._live("prefill", model, now, req.lora)
     decoders = [hb for hb in decoders if hb.worker_id == pin] or decoders  # (a preemption's freed slot)
-    views, affinity = adapter_views(
-        [view_from_load(hb.worker_id, hb.role, hb.pool, hb.load) for hb in decoders],
-        [view_from_load(hb.worker_id, hb.role, hb.pool, hb.load) for hb in prefillers],
-        {hb.worker_id for hb in decoders + prefillers if req.lora in hb.adapters},
-        req.lora is not None and core.lora_affinity)
+    views, affinity = adapter_views([core._view(hb) for hb in decoders], [core._view(hb) for hb in prefillers],
+                                    {hb.worker_id for hb in decoders + prefillers if req.lora in hb.adapters},
+                                    req.lora is not None and core.lora_affinity)
     slo = core.tenants.slo(req.tenant)
     rreq = RoutingRequest(request_id=req.key, tenant=req.tenant, token_ids=token_ids, session_key=req.session_id,
                           force_route=None if req.route == "auto" else req.route, cache_salt=salt,
