@@ -213,6 +213,7 @@ class Result:
     errors: int = 0
     skipped: str | None = None
     nats_msgs_per_request: dict[str, float] = field(default_factory=dict)  # splitserve: by service, in + out
+    cpu_us_per_request: dict[str, float] = field(default_factory=dict)  # splitserve: CPU by service kind
 
 
 async def _one(session: Any, url: str, prompt: str, max_tokens: int, model: str) -> float:
@@ -314,11 +315,16 @@ def run_target(target: str, args: argparse.Namespace, logs: Path, workers: list[
                 with urllib.request.urlopen(sp.http_url + "/v1/models", timeout=10) as r:
                     model = json.loads(r.read())["data"][0]["id"]
                 before = _msgs_by_service(nats.connections())
+                procs_cpu = _stack_processes(sp.proc.pid, nats.proc.pid)
+                cpu0 = _cpu_by_service(procs_cpu)
                 res = asyncio.run(measure(target, [sp.http_url], model, args))
+                cpu1 = _cpu_by_service(procs_cpu)
                 after = _msgs_by_service(nats.connections())
                 n = 20 + args.ttft_requests + args.requests * len(args.concurrency)
                 res.nats_msgs_per_request = {k: round((after.get(k, 0) - before.get(k, 0)) / n, 2)
                                              for k in sorted(after)}
+                res.cpu_us_per_request = {k: round((cpu1.get(k, 0.0) - cpu0.get(k, 0.0)) / n * 1e6)
+                                          for k in sorted(cpu1)}
                 return res
             finally:
                 sp.stop()
@@ -327,6 +333,32 @@ def run_target(target: str, args: argparse.Namespace, logs: Path, workers: list[
     finally:
         for p in procs:
             p.stop()
+
+
+def _stack_processes(up_pid: int, nats_pid: int) -> list[tuple[str, Any]]:
+    """(service kind, psutil process) of a running stack: ``up`` (the supervisor), its services by their module
+    (``splitserve.services.<kind>``) and the nats-server."""
+    import psutil
+
+    up = psutil.Process(up_pid)
+    out: list[tuple[str, Any]] = [("supervisor", up), ("nats", psutil.Process(nats_pid))]
+    for child in up.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            cmd = " ".join(child.cmdline())
+            kind = next((part.split(".")[2] for part in cmd.split() if part.startswith("splitserve.services.")),
+                        "other")
+            out.append((kind, child))
+    return out
+
+
+def _cpu_by_service(procs: list[tuple[str, Any]]) -> dict[str, float]:
+    """CPU seconds (user + system) used so far, summed by service kind."""
+    out: dict[str, float] = {}
+    for kind, p in procs:
+        with contextlib.suppress(Exception):
+            t = p.cpu_times()
+            out[kind] = out.get(kind, 0.0) + t.user + t.system
+    return out
 
 
 def _msgs_by_service(conns: list[dict[str, Any]]) -> dict[str, int]:
@@ -365,6 +397,11 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
             total = sum(r.nats_msgs_per_request.values())
             parts = ", ".join(f"{k} {v:g}" for k, v in r.nats_msgs_per_request.items())
             print(f"{r.target}: NATS messages per request (in + out, by service): {parts}; total {total:.1f}")
+        if r.cpu_us_per_request:
+            total = sum(r.cpu_us_per_request.values())
+            parts = ", ".join(f"{k} {v:,.0f}" for k, v in r.cpu_us_per_request.items())
+            print(f"{r.target}: CPU per request (us, user + system, all points, by service kind): {parts}; "
+                  f"total {total:,.0f}")
 
 
 def main(argv: list[str] | None = None) -> None:

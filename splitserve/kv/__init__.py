@@ -19,21 +19,39 @@ Prefiller::
         await sender.push(transfer_id, src, descriptor, layers=range(layer, layer + 1), notify=layer == L - 1)
 """
 
-from splitserve.kv.layout import SMOLLM2_135M, KvLayout
-from splitserve.kv.pool import BlockPool, BlockPoolExhausted
-from splitserve.kv.transport import (
-    TRANSPORTS,
-    BadDescriptor,
-    KvReceiver,
-    KvSender,
-    KvTransferError,
-    KvTransferTimeout,
-    LayoutMismatch,
-    PeerUnreachable,
-    TransferStats,
-    make_receiver,
-    make_sender,
-)
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from splitserve.kv.layout import SMOLLM2_135M, KvLayout
+    from splitserve.kv.pool import BlockPool, BlockPoolExhausted
+    from splitserve.kv.transport import (
+        TRANSPORTS,
+        BadDescriptor,
+        KvReceiver,
+        KvSender,
+        KvTransferError,
+        KvTransferTimeout,
+        LayoutMismatch,
+        PeerUnreachable,
+        TransferStats,
+        make_receiver,
+        make_sender,
+    )
+
+# Loaded on first use (PEP 562): the layout and the pool import torch (~1.2 CPU-s), which a process that only asks
+# which transport is usable (``splitserve up``, the supervisor) never needs.
+_HOMES = {"SMOLLM2_135M": "layout", "KvLayout": "layout", "BlockPool": "pool", "BlockPoolExhausted": "pool"}
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"splitserve.kv.{_HOMES[name]}"), name)
+    if name in __all__:
+        return getattr(importlib.import_module("splitserve.kv.transport"), name)
+    raise AttributeError(f"module 'splitserve.kv' has no attribute {name!r}")
+
 
 __all__ = [
     "SMOLLM2_135M",

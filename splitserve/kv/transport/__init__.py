@@ -6,9 +6,8 @@ Backends are imported on first use, so a process that only speaks TCP never load
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from splitserve.kv.pool import BlockPool
 from splitserve.kv.transport.base import (
     BadDescriptor,
     KvReceiver,
@@ -27,6 +26,9 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
 }
 
 TRANSPORTS: tuple[str, ...] = tuple(_BACKENDS)
+
+if TYPE_CHECKING:
+    from splitserve.kv.pool import BlockPool
 
 
 def _load(name: str, index: int) -> Any:

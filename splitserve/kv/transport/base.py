@@ -17,12 +17,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgpack
 import numpy as np
 
-from splitserve.kv.pool import BlockPool
+if TYPE_CHECKING:  # (the pool imports torch; the base classes only name it)
+    from splitserve.kv.pool import BlockPool
 
 # --------------------------------------------------------------------------------------------------- errors
 
