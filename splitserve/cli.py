@@ -178,6 +178,9 @@ def up(
                                        "it late"),
     http_port: int = typer.Option(8000, "--http-port", help="OpenAI-compatible HTTP API port (0 = a free one; "
                                   "a free one if taken)"),
+    whatif_traces: Path | None = typer.Option(None, "--whatif-traces", exists=True, file_okay=False,
+                                              help="the folder of request traces the console's what-if replays "
+                                              "(default: the bundled data folder's traces/)"),
     frontends: int = typer.Option(2, "--frontends", min=1, help="HTTP front door processes (frontend-0 ..) "
                                   "accepting on that one port, from a socket the supervisor holds: while one "
                                   "drains or restarts the others take every connection (none is refused)"),
@@ -238,7 +241,8 @@ def up(
                       http_port=http_port, frontends=frontends, http_host=host, log_level=log_level,
                       kv_connector=kv_connector,
                       kv_backend=kv_backend, tenants_file=tenants.resolve() if tenants else None, models=pools,
-                      lora_modules=loras, max_loras=max_loras, lora_affinity=lora_affinity)
+                      lora_modules=loras, max_loras=max_loras, lora_affinity=lora_affinity,
+                      whatif_traces=whatif_traces.resolve() if whatif_traces else None)
     if tenants is not None:
         from splitserve.tenancy.config import load_tenants
         from splitserve.tenancy.contracts import overcommitted

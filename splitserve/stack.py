@@ -195,6 +195,7 @@ class StackConfig:
     http_port: int = 8000  # the OpenAI-compatible front door; 0 (or taken) = a free port
     # Front door processes (frontend-0 ..) on that one port: while one drains or restarts the others accept.
     frontends: int = 2
+    whatif_traces: Path | None = None  # the front doors' --whatif-traces (the console's what-if)
     http_host: str = "127.0.0.1"  # the front door's interface (0.0.0.0: every interface)
     log_level: str = "INFO"
     kv_connector: str = "nixl"  # --engine vllm: vLLM's KV connector between the pools (nixl | lmcache)
@@ -395,7 +396,9 @@ class Stack:
             out.append(Child(name, "frontend", py + ["splitserve.services.frontend", "--worker-id", name, "--host",
                                                      c.http_host,
                                                      "--port", str(port), "--listen-fd", str(fd), *tenants,
-                                                     "--metrics-port", str(metrics_port), *common],
+                                                     "--metrics-port", str(metrics_port),
+                                                     *(["--whatif-traces", str(c.whatif_traces)]
+                                                       if c.whatif_traces else []), *common],
                              self.logs / f"{name}.log", pass_fds=(fd,)))
         self.metrics_url = self.metrics_urls[0]
         if c.engine == "vllm":

@@ -373,8 +373,9 @@ class RouterCore(Service):
         raise NotImplementedError
 
     async def _reject(self, req: GenerateRequest, msg: Msg, code: ErrorCode, message: str,
-                      retry_after_s: float | None = None, limit: str | None = None) -> None:
-        """Refuse a request to its caller: :mod:`.intake`."""
+                      retry_after_s: float | None = None, limit: str | None = None,
+                      detail: dict[str, object] | None = None) -> None:
+        """Refuse a request to its caller (``detail``: more for its log line): :mod:`.intake`."""
         raise NotImplementedError
 
     async def _send_job(self, inf: Inflight, route: Route, decoder: str, prefiller: str | None,

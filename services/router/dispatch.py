@@ -339,8 +339,9 @@ class Dispatch(RouterCore):
         self.book.add(inf, now)
         inf.trace_ctx = sp.get_span_context() if sp.get_span_context().is_valid else None
         ddict = job.decision
-        if self.use_queue:
-            # The other routers count it on these workers until the workers' heartbeats do.
+        if self.use_queue and any(hb.worker_id != self.worker_id for hb in self.registry.live("router", now)):
+            # The other routers count it on these workers until the workers' heartbeats do. (None live: no note.
+            # One that starts now hears the workers' heartbeats during its warm-up, before it routes.)
             ent = self.policy.pending_entries(decision)
             with contextlib.suppress(Exception):
                 await self.b.publish(Subjects.routed(self.worker_id), DispatchNote(

@@ -53,8 +53,10 @@ class Intake(SloGate):
             await self._intake(req, msg, sp)
 
     async def _reject(self, req: GenerateRequest, msg: Msg, code: ErrorCode, message: str,
-                      retry_after_s: float | None = None, limit: str | None = None) -> None:
-        self.log.info("rejected", request_id=req.request_id, code=str(code), reason=message, limit=limit)
+                      retry_after_s: float | None = None, limit: str | None = None,
+                      detail: dict[str, object] | None = None) -> None:
+        self.log.info("rejected", request_id=req.request_id, code=str(code), reason=message, limit=limit,
+                      **(detail or {}))
         if self.tenants.known(req.tenant) and (not self.tenants.open or req.tenant in self._open_tenants):
             self._rate(req.tenant, "refused").add(self.clock())
         sp = trace.get_current_span()
@@ -149,7 +151,7 @@ class Intake(SloGate):
             assert slo is not None
             await self._reject(req, msg, ErrorCode.SLO_UNATTAINABLE,
                                refusal_message(req.tenant, slo.ttft_p99_ms, slo.itl_p99_ms, late),
-                               retry_after_s=late.retry_after_s, limit="slo")
+                               retry_after_s=late.retry_after_s, limit="slo", detail=self.slo_detail())
             return
         if self.use_queue:
             with self._slo_entering(req.tenant):  # ahead of the tenant's next requests until it is stored

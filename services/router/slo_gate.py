@@ -34,6 +34,7 @@ class SloGate(RouterCore):
         # Requests admitted here whose intake has not stored them in the queue yet, per tenant: a burst's intakes
         # run side by side, and each must count the ones before it that the queue does not show yet.
         self._entering: dict[str, int] = {}
+        self._slo_last: dict[str, Any] = {}  # the last refusal's prediction, for its ``rejected`` log line
 
     @contextlib.contextmanager
     def _slo_entering(self, tenant: str) -> Iterator[None]:
@@ -77,11 +78,17 @@ class SloGate(RouterCore):
         verdict = self.slo_admission.check(est, slo.ttft_p99_ms, slo.itl_p99_ms, wait)
         if not isinstance(verdict, Refuse):
             return None
-        self.log.info("slo_refused", request_id=req.request_id, tenant=req.tenant, reason=verdict.reason,
-                      predicted_ttft_ms=_ms(verdict.predicted_ttft_ms), queue_wait_ms=_ms(wait),
-                      predicted_itl_ms=_ms(verdict.predicted_itl_ms), decoder=est.decoder,
-                      retry_after_s=verdict.retry_after_s)
+        # (logged with the refusal: ``slo_detail``)
+        self._slo_last = {"slo_reason": verdict.reason, "predicted_ttft_ms": _ms(verdict.predicted_ttft_ms),
+                          "queue_wait_ms": _ms(wait), "predicted_itl_ms": _ms(verdict.predicted_itl_ms),
+                          "decoder": est.decoder}
         return verdict
+
+
+    def slo_detail(self) -> dict[str, Any]:
+        """The prediction behind the refusal :meth:`_slo_refusal` just returned (what the log line shows)."""
+        detail, self._slo_last = self._slo_last, {}
+        return detail
 
 
 def _ms(x: float) -> float | None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import nats
 import pytest
+from nats.aio.msg import Msg
 
 from splitserve import errors, proto
 from splitserve.client import Client, Result
@@ -108,6 +109,13 @@ async def _collect(client: Client, rids: list[str], timeout: float = 240.0) -> l
 
 async def test_flood_does_not_hold_up_a_light_tenant(stack: tuple[str, Path, Path]) -> None:
     url, _, _ = stack
+    watch = await nats.connect(url)
+    notes: list[str] = []
+
+    async def on_note(m: Msg) -> None:
+        notes.append(m.subject)
+
+    await watch.subscribe("ss.routed.>", cb=on_note)
     async with Client(url, tenant="flood") as fc, Client(url, tenant="light") as lc:
         t0 = time.time() * 1000
         flood_ids = await asyncio.gather(*(fc.submit(f"flood {i}", max_tokens=8) for i in range(500)))
@@ -115,6 +123,8 @@ async def test_flood_does_not_hold_up_a_light_tenant(stack: tuple[str, Path, Pat
         light = await asyncio.gather(*(lc.complete(f"light {i}", max_tokens=8) for i in range(5)))
         flood = await _collect(fc, list(flood_ids))
     assert all(r.finish_reason == "length" and len(r.token_ids) == 8 for r in flood + light)
+    await watch.close()
+    assert notes == []  # a router alone tells no peer where it routed (DispatchNote: only with other routers live)
     light_wait = [r.timings.queue_ms or 0.0 for r in light]
     flood_wait = [r.timings.queue_ms or 0.0 for r in flood]
     print(f"flood: 500 accepted in {accepted_all - t0:.0f} ms; queue wait p50 {statistics.median(flood_wait):.0f} "

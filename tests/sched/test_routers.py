@@ -23,6 +23,7 @@ from pathlib import Path
 
 import nats
 import pytest
+from nats.aio.msg import Msg
 
 from splitserve import errors, proto
 from splitserve.client import Client, Result
@@ -350,9 +351,19 @@ async def weighted_split(url: str, per_tenant: int, window: tuple[int, int]) -> 
 
 async def test_token_shares_follow_weights_across_replicas(cluster: tuple[str, Path, list]) -> None:  # type: ignore[type-arg]
     url, _, _ = cluster
+    watch = await nats.connect(server_list(url))
+    notes: Counter[str] = Counter()
+
+    async def on_note(m: Msg) -> None:
+        notes.update([m.subject])
+
+    await watch.subscribe("ss.routed.>", cb=on_note)
     ratio, by_router = await weighted_split(url, 120, (20, 100))
+    await watch.close()
     print(f"dispatches 20-100: heavy:slim {ratio:.2f} (weights 3:1); dispatched by {dict(by_router)}")
     assert len(by_router) >= 2  # more than one replica dispatched
+    # With other routers live, each tells them where it routed (they count it on those workers at once).
+    assert {f"ss.routed.{r}" for r in by_router} <= set(notes), notes
     # The one-router test's bounds are 2.0-4.5; three replicas learn each other's charges FAIR_REPORT_S late, and on
     # a loaded 2-core CI machine one run measured 1.96. Ignoring the weights gives ~1.0.
     assert 1.75 <= ratio <= 4.5
