@@ -180,6 +180,7 @@ class StackConfig:
     l1_tokens: int = 0
     prefill_cpus: str | None = None  # e.g. "0" or "0-3"; default: the first half of the cores
     decode_cpus: str | None = None  # default: the other half (all cores when there are no prefillers)
+    pin: bool = True  # pools (and the control plane) pinned to their cores; False: the OS schedules everything
     colocated: bool = False  # no prefill pool: every prompt is prefilled on the decoders (for comparison)
     # Long-context decoders (splitserve.routing.context): prompts of at least long_prompt_tokens decode there,
     # never in the general decoders' batches. Default cores: the prefill pool's (it is idle between long
@@ -413,6 +414,8 @@ class Stack:
     def _cpu_pools(self) -> dict[str, list[int]]:
         """Disjoint core sets for the prefill and decode pools (the CPU analogue of separate GPU pools)."""
         c = self.cfg
+        if not c.pin:
+            return {}  # no pools: no worker gets --cpus, and control_cpus() pins nothing
         avail = sorted(os.sched_getaffinity(0))
         pools: dict[str, list[int]] = {}
         if c.prefill_cpus:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,8 @@ LONG = ("The history of the Roman Empire spans many centuries, from the founding
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackProc]:
     sp = start_stack(Path(tmp_path_factory.mktemp("interf")), "--prefill", "1", "--decode", "1", "--long-decode",
-                     "1", "--long-prompt-tokens", str(LONG_TOKENS), "--strategy", "kvaware")
+                     "1", "--long-prompt-tokens", str(LONG_TOKENS), "--strategy", "kvaware",
+                     env={**os.environ, "SPLITSERVE_UP_PIN": "1"})  # pinned pools are what is measured here
     try:
         yield sp
     finally:

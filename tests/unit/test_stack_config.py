@@ -227,3 +227,13 @@ def test_the_front_doors_get_the_what_if_traces_folder(tmp_path: Path) -> None:
     assert [_arg(kids[f"frontend-{i}"], "--whatif-traces") for i in (0, 1)] == [str(tmp_path)] * 2
     kids = {c.name: c.argv for c in _stack([0, 1])._children()}
     assert "--whatif-traces" not in kids["frontend-0"]  # the front door's default: the bundled traces
+
+
+def test_no_pin_leaves_every_process_to_the_scheduler() -> None:
+    stack = _stack([0, 1, 2, 3], prefill=1, decode=2, pin=False)
+    assert stack.pools == {}
+    kids = {c.name: c.argv for c in stack._children()}
+    assert not any("--cpus" in argv for argv in kids.values())
+    assert [_arg(kids[n], "--threads") for n in ("prefill-0", "decode-0", "decode-1")] == ["1", "1", "1"]
+    with mock.patch("os.sched_getaffinity", return_value={0, 1, 2, 3}):
+        assert stack.control_cpus() is None
