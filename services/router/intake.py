@@ -146,12 +146,12 @@ class Intake(SloGate):
             return
         now = self.clock()
         queued = self.wq.pending_by_tenant().get(req.tenant, 0)
-        if (late := self._slo_refusal(req, ids, queued)) is not None:
-            slo = self.tenants.slo(req.tenant)
+        if (refused := self._slo_refusal(req, ids, queued)) is not None:
+            (late, why), slo = refused, self.tenants.slo(req.tenant)
             assert slo is not None
             await self._reject(req, msg, ErrorCode.SLO_UNATTAINABLE,
                                refusal_message(req.tenant, slo.ttft_p99_ms, slo.itl_p99_ms, late),
-                               retry_after_s=late.retry_after_s, limit="slo", detail=self.slo_detail())
+                               retry_after_s=late.retry_after_s, limit="slo", detail=why)
             return
         if self.use_queue:
             with self._slo_entering(req.tenant):  # ahead of the tenant's next requests until it is stored

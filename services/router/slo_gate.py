@@ -34,7 +34,6 @@ class SloGate(RouterCore):
         # Requests admitted here whose intake has not stored them in the queue yet, per tenant: a burst's intakes
         # run side by side, and each must count the ones before it that the queue does not show yet.
         self._entering: dict[str, int] = {}
-        self._slo_last: dict[str, Any] = {}  # the last refusal's prediction, for its ``rejected`` log line
 
     @contextlib.contextmanager
     def _slo_entering(self, tenant: str) -> Iterator[None]:
@@ -51,9 +50,10 @@ class SloGate(RouterCore):
             else:
                 del self._entering[tenant]
 
-    def _slo_refusal(self, req: GenerateRequest, ids: list[int], queued: int) -> Refuse | None:
+    def _slo_refusal(self, req: GenerateRequest, ids: list[int], queued: int) -> tuple[Refuse, dict[str, Any]] | None:
         """Why ``req`` (``ids``: its prompt; ``queued``: its tenant's requests waiting before it) cannot meet its
-        tenant's targets now, or None (admit: no targets, admission off, or it can)."""
+        tenant's targets now, with the prediction behind it (for the refusal's log line), or None (admit: no
+        targets, admission off, or it can)."""
         if self.slo_admission is None:
             return None
         slo = self.tenants.slo(req.tenant)
@@ -78,17 +78,9 @@ class SloGate(RouterCore):
         verdict = self.slo_admission.check(est, slo.ttft_p99_ms, slo.itl_p99_ms, wait)
         if not isinstance(verdict, Refuse):
             return None
-        # (logged with the refusal: ``slo_detail``)
-        self._slo_last = {"slo_reason": verdict.reason, "predicted_ttft_ms": _ms(verdict.predicted_ttft_ms),
-                          "queue_wait_ms": _ms(wait), "predicted_itl_ms": _ms(verdict.predicted_itl_ms),
-                          "decoder": est.decoder}
-        return verdict
-
-
-    def slo_detail(self) -> dict[str, Any]:
-        """The prediction behind the refusal :meth:`_slo_refusal` just returned (what the log line shows)."""
-        detail, self._slo_last = self._slo_last, {}
-        return detail
+        return verdict, {"slo_reason": verdict.reason, "predicted_ttft_ms": _ms(verdict.predicted_ttft_ms),
+                         "queue_wait_ms": _ms(wait), "predicted_itl_ms": _ms(verdict.predicted_itl_ms),
+                         "decoder": est.decoder}
 
 
 def _ms(x: float) -> float | None:

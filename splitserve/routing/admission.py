@@ -182,11 +182,14 @@ def queue_wait_for(before: int, ledger_free: int, decoders: Sequence[WorkerView]
                    max_tokens: int, share: float, measured_rps: float, running: Iterable[tuple[str, int]],
                    decoder: str) -> float:
     """The wait, ms, of a request with ``before`` of its tenant's requests queued (or being stored) ahead of it:
-    none while it can start at once (:func:`free_now` of ``ledger_free``); else what is ahead of it at the pace the
-    queue drains (:func:`drain_rps`; nothing known: not guessed), and never less than the time until the first of
-    the ``running`` ((decoder, tokens left) pairs) ends, the requests before it counted as long as this one
-    (``max_tokens`` on ``decoder``, the one it would go to). The live router's SLO admission and the simulator's."""
-    ahead = before - free_now(decoders, ledger_free)
+    none while it can start at once (a slot of :func:`free_now` of ``ledger_free`` is left for it after those
+    ahead took theirs); else what is ahead of it at the pace the queue drains (:func:`drain_rps`; nothing known:
+    not guessed), and never less than the time until the first of the ``running`` ((decoder, tokens left) pairs)
+    ends, the requests before it counted as long as this one (``max_tokens`` on ``decoder``, the one it would go
+    to). The live router's SLO admission and the simulator's."""
+    # This request needs a slot too: with as many ahead as slots free, it waits for a running one to end (it used
+    # to count as starting at once, and the request one past a burst's free slots was admitted a whole batch late)
+    ahead = before + 1 - free_now(decoders, ledger_free)
     if ahead <= 0:
         return 0.0
     rate = drain_rps(decoders, predictor, max_tokens, share, measured_rps)

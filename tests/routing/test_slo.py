@@ -28,6 +28,7 @@ from splitserve.routing.admission import (
     drain_rps,
     first_end_ms,
     free_now,
+    queue_wait_for,
     queue_wait_ms,
     weighted_share,
 )
@@ -339,3 +340,21 @@ def test_a_request_behind_a_full_batch_waits_for_the_first_to_end() -> None:
     assert first_end_ms([("d0", 60), ("d0", 5), ("gone", 1), ("d0", 0)], views, pred) == pytest.approx(5 * 42.0,
                                                                                                       rel=0.02)
     assert first_end_ms([], views, pred) == 0.0
+
+
+def test_the_request_one_past_the_free_slots_waits_for_a_slot() -> None:
+    """An idle 16-slot decoder and 16 of the tenant's requests ahead: they take every slot, so this one waits for
+    the first of them to end (it was counted as starting at once, and one request past a burst was admitted a
+    whole batch late: 2.6 s against a 400 ms target). 15 ahead: its slot is free, no wait."""
+    pred = LatencyPredictor(prior_weight=1e-6, default_weight=1e-6)
+    for n in range(1, 17):
+        pred.observe([WorkerView("d0", active_seqs=n, step_ms=10.0 + 2.0 * n, max_seqs=16)], float(n))
+    views = [WorkerView("d0", max_seqs=16)]
+
+    def wait(before: int) -> float:
+        return queue_wait_for(before, 20, views, pred, 60, 1.0, 0.0, [], "d0")
+
+    assert wait(0) == 0.0 and wait(15) == 0.0
+    # the first of the 16 ahead ends: 60 tokens at the step time the decoder's views show now (idle: 10 ms)
+    assert wait(16) == pytest.approx(60 * 10.0, rel=0.02)
+    assert wait(17) >= wait(16)
