@@ -33,7 +33,7 @@ LONG = ("The history of the Roman Empire spans many centuries, from the founding
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackProc]:
     sp = start_stack(Path(tmp_path_factory.mktemp("interf")), "--prefill", "1", "--decode", "1", "--long-decode",
                      "1", "--long-prompt-tokens", str(LONG_TOKENS), "--strategy", "kvaware",
-                     env={**os.environ, "SPLITSERVE_UP_PIN": "1"})  # pinned pools are what is measured here
+                     env={**os.environ, "SPLITSERVE_UP_PIN_CONTROL": "1"})  # the pinned layout is measured here
     try:
         yield sp
     finally:

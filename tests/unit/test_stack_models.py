@@ -29,8 +29,7 @@ def _up(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, config: str, *args: str
     conf.write_text(config)
     res = CliRunner().invoke(cli.app, ["up", "--config", str(conf), "--transport", "tcp", "--state-dir",
                                        str(tmp_path / "state"), *args],
-                             # (pinned, as up is by default: the tests' own stacks run unpinned, tests/conftest.py)
-                             env={"COLUMNS": "300", "SPLITSERVE_UP_PIN": "1", **(env or {})})
+                             env={"COLUMNS": "300", **(env or {})})
     return res, seen.get("cfg")
 
 
