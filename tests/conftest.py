@@ -27,11 +27,6 @@ def _isolated_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     # One HTTP front door per test stack (``up``'s default is 2): a front door costs ~1 CPU-second to start and a
     # little for every second it runs, on a 2-core CI. Tests of several front doors pass --frontends themselves.
     os.environ.setdefault("SPLITSERVE_UP_FRONTENDS", "1")
-    # Several test stacks share CI's 2 cores at once: with the control plane pinned off the decode core, every
-    # stack's control plane (and the workers' I/O threads) shared core 0 whatever the others did. The engines keep
-    # their pools (unpinned, vLLM's and torch's threads oversubscribed both cores: CI took 1,140 s, not ~900). The
-    # interference test measures the pinned layout and passes SPLITSERVE_UP_PIN_CONTROL=1.
-    os.environ.setdefault("SPLITSERVE_UP_PIN_CONTROL", "0")
     yield
     if old is None:
         os.environ.pop("SPLITSERVE_HOME", None)

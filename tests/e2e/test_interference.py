@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,7 @@ LONG = ("The history of the Roman Empire spans many centuries, from the founding
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackProc]:
     sp = start_stack(Path(tmp_path_factory.mktemp("interf")), "--prefill", "1", "--decode", "1", "--long-decode",
-                     "1", "--long-prompt-tokens", str(LONG_TOKENS), "--strategy", "kvaware",
-                     env={**os.environ, "SPLITSERVE_UP_PIN_CONTROL": "1"})  # the pinned layout is measured here
+                     "1", "--long-prompt-tokens", str(LONG_TOKENS), "--strategy", "kvaware")
     try:
         yield sp
     finally:
