@@ -159,10 +159,6 @@ def up(
     prefill_cpus: str | None = typer.Option(None, "--prefill-cpus", help="cores of the prefill pool, e.g. '0' or "
                                             "'0-3' (default: first half)"),
     decode_cpus: str | None = typer.Option(None, "--decode-cpus", help="cores of the decode pool (default: the rest)"),
-    pin_control: bool = typer.Option(True, "--pin-control/--no-pin-control", help="run the control plane (nats, "
-                                     "routers, cache index, front doors, the workers' I/O threads) on every core but "
-                                     "the decode pool's; --no-pin-control lets it use every core (several stacks or "
-                                     "other work sharing a small machine: the engines keep their pools)"),
     colocated: bool = typer.Option(False, "--colocated", help="no prefill pool: every prompt prefilled on the "
                                    "decoders, on all cores (the baseline disaggregation is measured against)"),
     long_decode: int = typer.Option(0, "--long-decode", help="long-context decoders: prompts of at least "
@@ -238,7 +234,7 @@ def up(
                       nats_port=nats_port, nats_cluster=nats_cluster,
                       state_dir=state_dir or discovery.home() / "stack", threads=threads,
                       cache_tokens=cache_tokens, l1_tokens=l1_tokens, prefill_cpus=prefill_cpus,
-                      decode_cpus=decode_cpus, pin_control=pin_control, colocated=colocated, max_stall_ms=max_stall_ms,
+                      decode_cpus=decode_cpus, colocated=colocated, max_stall_ms=max_stall_ms,
                       max_migrations=max_migrations, slo_admission=slo_admission,
                       long_decode=long_decode, long_decode_cpus=long_decode_cpus,
                       long_prompt_tokens=long_prompt_tokens,

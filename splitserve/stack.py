@@ -180,7 +180,6 @@ class StackConfig:
     l1_tokens: int = 0
     prefill_cpus: str | None = None  # e.g. "0" or "0-3"; default: the first half of the cores
     decode_cpus: str | None = None  # default: the other half (all cores when there are no prefillers)
-    pin_control: bool = True  # the control plane off the decode pool's cores (control_cpus); False: every core
     colocated: bool = False  # no prefill pool: every prompt is prefilled on the decoders (for comparison)
     # Long-context decoders (splitserve.routing.context): prompts of at least long_prompt_tokens decode there,
     # never in the general decoders' batches. Default cores: the prefill pool's (it is idle between long
@@ -303,10 +302,9 @@ class Stack:
         """Cores for nats-server, the router, the cache index, the front door and this supervisor: every core
         but the decode pool's, so that only decoders run there. Left to float, the control plane (~7% of a core
         under load) moved onto the decode core whenever the prefill core was saturated, and the streams' steps
-        slowed by as much. None (no pinning) when the decode pool has every core (colocated), or with
-        ``pin_control`` off (several stacks on two cores: pinned, every stack's control plane shared core 0)."""
+        slowed by as much. None (no pinning) when the decode pool has every core (colocated)."""
         decode = set(self.pools.get("decode", ()))
-        if not decode or not self.cfg.pin_control:
+        if not decode:
             return None
         rest = [x for x in sorted(os.sched_getaffinity(0)) if x not in decode]
         return rest or None

@@ -228,12 +228,3 @@ def test_the_front_doors_get_the_what_if_traces_folder(tmp_path: Path) -> None:
     kids = {c.name: c.argv for c in _stack([0, 1])._children()}
     assert "--whatif-traces" not in kids["frontend-0"]  # the front door's default: the bundled traces
 
-
-def test_no_pin_control_lets_the_control_plane_use_every_core_and_keeps_the_pools() -> None:
-    stack = _stack([0, 1, 2, 3], prefill=1, decode=2, pin_control=False)
-    assert stack.pools == {"prefill": [0, 1], "decode": [2, 3]}
-    kids = {c.name: c.argv for c in stack._children()}
-    assert [_arg(kids[n], "--cpus") for n in ("prefill-0", "decode-0", "decode-1")] == ["0,1", "2", "3"]
-    with mock.patch("os.sched_getaffinity", return_value={0, 1, 2, 3}):
-        assert stack.control_cpus() is None
-        assert _stack([0, 1, 2, 3], prefill=1, decode=2).control_cpus() == [0, 1]
