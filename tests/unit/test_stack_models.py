@@ -28,8 +28,7 @@ def _up(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, config: str, *args: str
     conf = tmp_path / "stack.yaml"
     conf.write_text(config)
     res = CliRunner().invoke(cli.app, ["up", "--config", str(conf), "--transport", "tcp", "--state-dir",
-                                       str(tmp_path / "state"), *args],
-                             env={"COLUMNS": "300", **(env or {})})
+                                       str(tmp_path / "state"), *args], env={"COLUMNS": "300", **(env or {})})
     return res, seen.get("cfg")
 
 
