@@ -164,17 +164,20 @@ def free_now(decoders: Sequence[WorkerView], ledger_free: int) -> int:
 
 
 def first_end_ms(running: Iterable[tuple[str, int]], decoders: Sequence[WorkerView],
-                 predictor: LatencyPredictor) -> float:
+                 predictor: LatencyPredictor, full: bool = False) -> float:
     """When the first of the ``running`` requests ((decoder, tokens left) pairs) should end, ms from now: the
     fewest tokens left times its decoder's predicted inter-token latency. A request that must wait for a slot
     waits at least this long, however fast the queue drains on average (a burst that filled every slot at once
-    frees none until its requests end). 0: nothing known to be running."""
+    frees none until its requests end). ``full``: at the step of a full batch (``max_seqs``, where known), the
+    batch a request waiting for a slot finds; else at the batch the decoder's view shows (a burst just
+    dispatched is not in it yet). 0: nothing known to be running."""
     views = {d.worker_id: d for d in decoders}
     best = math.inf
     for wid, left in running:
         d = views.get(wid)
         if d is not None and left > 0:
-            best = min(best, left * predictor.itl_ms(d, extra_seqs=0))
+            more = max(0, (d.max_seqs or 0) - d.active_seqs - d.queued_requests) if full else 0
+            best = min(best, left * predictor.itl_ms(d, extra_seqs=more))
     return best if math.isfinite(best) else 0.0
 
 
@@ -194,4 +197,5 @@ def queue_wait_for(before: int, ledger_free: int, decoders: Sequence[WorkerView]
         return 0.0
     rate = drain_rps(decoders, predictor, max_tokens, share, measured_rps)
     wait = queue_wait_ms(ahead, rate) if rate > 0 else 0.0
-    return max(wait, first_end_ms([*running, (decoder, max_tokens)], decoders, predictor))
+    # it waits for a slot, so the decoders are full: their steps are a full batch's, not what the views show yet
+    return max(wait, first_end_ms([*running, (decoder, max_tokens)], decoders, predictor, full=True))

@@ -344,8 +344,8 @@ def test_a_request_behind_a_full_batch_waits_for_the_first_to_end() -> None:
 
 def test_the_request_one_past_the_free_slots_waits_for_a_slot() -> None:
     """An idle 16-slot decoder and 16 of the tenant's requests ahead: they take every slot, so this one waits for
-    the first of them to end (it was counted as starting at once, and one request past a burst was admitted a
-    whole batch late: 2.6 s against a 400 ms target). 15 ahead: its slot is free, no wait."""
+    the first of them to end, at the full batch's pace (it was counted as starting at once, and one request past a
+    burst was admitted a whole batch late: 2.6 s against a 400 ms target). 15 ahead: its slot is free, no wait."""
     pred = LatencyPredictor(prior_weight=1e-6, default_weight=1e-6)
     for n in range(1, 17):
         pred.observe([WorkerView("d0", active_seqs=n, step_ms=10.0 + 2.0 * n, max_seqs=16)], float(n))
@@ -355,6 +355,7 @@ def test_the_request_one_past_the_free_slots_waits_for_a_slot() -> None:
         return queue_wait_for(before, 20, views, pred, 60, 1.0, 0.0, [], "d0")
 
     assert wait(0) == 0.0 and wait(15) == 0.0
-    # the first of the 16 ahead ends: 60 tokens at the step time the decoder's views show now (idle: 10 ms)
-    assert wait(16) == pytest.approx(60 * 10.0, rel=0.02)
+    # the first of the 16 ahead ends: 60 tokens at a full batch's step (42 ms), not at the idle step the decoder's
+    # view still shows (10 ms: 600 ms, which a target between the two would have admitted late)
+    assert wait(16) == pytest.approx(60 * 42.0, rel=0.02)
     assert wait(17) >= wait(16)
