@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.stats import summary
+from bench.stats import cpu_seconds, summary
 
 PEERS_VENV = Path(os.environ.get("SPLITSERVE_PEERS_VENV", "/tmp/splitserve-peers"))
 PEER_PINS = ("vllm-router==0.1.17", "sglang-router==0.3.2")
@@ -315,10 +315,10 @@ def run_target(target: str, args: argparse.Namespace, logs: Path, workers: list[
                 with urllib.request.urlopen(sp.http_url + "/v1/models", timeout=10) as r:
                     model = json.loads(r.read())["data"][0]["id"]
                 before = _msgs_by_service(nats.connections())
-                procs_cpu = _stack_processes(sp.proc.pid, nats.proc.pid)
-                cpu0 = _cpu_by_service(procs_cpu)
+                pids = _stack_processes(sp.proc.pid, nats.proc.pid)
+                cpu0 = cpu_seconds(pids)
                 res = asyncio.run(measure(target, [sp.http_url], model, args))
-                cpu1 = _cpu_by_service(procs_cpu)
+                cpu1 = cpu_seconds(pids)
                 after = _msgs_by_service(nats.connections())
                 n = 20 + args.ttft_requests + args.requests * len(args.concurrency)
                 res.nats_msgs_per_request = {k: round((after.get(k, 0) - before.get(k, 0)) / n, 2)
@@ -335,29 +335,17 @@ def run_target(target: str, args: argparse.Namespace, logs: Path, workers: list[
             p.stop()
 
 
-def _stack_processes(up_pid: int, nats_pid: int) -> list[tuple[str, Any]]:
-    """(service kind, psutil process) of a running stack: ``up`` (the supervisor), its services by their module
+def _stack_processes(up_pid: int, nats_pid: int) -> dict[str, list[int]]:
+    """Pids of a running stack by service kind: ``up`` (the supervisor), its services by their module
     (``splitserve.services.<kind>``) and the nats-server."""
     import psutil
 
-    up = psutil.Process(up_pid)
-    out: list[tuple[str, Any]] = [("supervisor", up), ("nats", psutil.Process(nats_pid))]
-    for child in up.children(recursive=True):
+    out: dict[str, list[int]] = {"supervisor": [up_pid], "nats": [nats_pid]}
+    for child in psutil.Process(up_pid).children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            cmd = " ".join(child.cmdline())
-            kind = next((part.split(".")[2] for part in cmd.split() if part.startswith("splitserve.services.")),
+            kind = next((part.split(".")[2] for part in child.cmdline() if part.startswith("splitserve.services.")),
                         "other")
-            out.append((kind, child))
-    return out
-
-
-def _cpu_by_service(procs: list[tuple[str, Any]]) -> dict[str, float]:
-    """CPU seconds (user + system) used so far, summed by service kind."""
-    out: dict[str, float] = {}
-    for kind, p in procs:
-        with contextlib.suppress(Exception):
-            t = p.cpu_times()
-            out[kind] = out.get(kind, 0.0) + t.user + t.system
+            out.setdefault(kind, []).append(child.pid)
     return out
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -39,9 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-from bench.stats import fmt, summary
+from bench.stats import cpu_seconds, fmt, summary
 from splitserve.client import Client
 from splitserve.natsserver import start_nats
 from splitserve.runtime.service import loop_factory
@@ -149,19 +146,6 @@ def _conn_msgs(nats: Any, name_part: str) -> tuple[int, int]:
     return pub, got
 
 
-def _cpu_s(pids: dict[str, list[int]]) -> dict[str, float]:
-    """CPU seconds (user + system, children not included) used so far by each named group of processes."""
-    out: dict[str, float] = {}
-    for name, group in pids.items():
-        total = 0.0
-        for pid in group:
-            with contextlib.suppress(psutil.Error):
-                t = psutil.Process(pid).cpu_times()
-                total += t.user + t.system
-        out[name] = total
-    return out
-
-
 def _cpu_report(before: dict[str, float], after: dict[str, float], requests: int, wall_s: float) -> dict[str, Any]:
     return {name: {"cpu_s": after[name] - before[name], "us_per_req": (after[name] - before[name]) / requests * 1e6,
                    "cores": (after[name] - before[name]) / wall_s} for name in before}
@@ -220,10 +204,10 @@ def main() -> None:
                     a.profile_router.mkdir(parents=True, exist_ok=True)
                     spy = _profiler(router.pid, a.profile_router / f"router-{mode}.txt")
                     time.sleep(1.0)  # py-spy attaches
-                cpu0, t0, msgs0 = _cpu_s(pids), time.perf_counter(), _conn_msgs(nats, f"router-{mode}")
+                cpu0, t0, msgs0 = cpu_seconds(pids), time.perf_counter(), _conn_msgs(nats, f"router-{mode}")
                 tp = asyncio.run(_throughput(url, a.requests, a.concurrency, a.tenants))
                 done = a.requests - tp["errors"] or 1
-                cpu = _cpu_report(cpu0, _cpu_s(pids), done, time.perf_counter() - t0)
+                cpu = _cpu_report(cpu0, cpu_seconds(pids), done, time.perf_counter() - t0)
                 msgs1 = _conn_msgs(nats, f"router-{mode}")
                 # (heartbeats and reports of the phase are counted too: a few per second, not per request)
                 cpu["router"]["msgs_out_per_req"] = (msgs1[0] - msgs0[0]) / done

@@ -1,10 +1,12 @@
-"""Small percentile helpers shared by the benchmarks."""
+"""Small helpers shared by the benchmarks: percentiles, and the CPU time of groups of processes."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
+import psutil
 
 
 def pct(values: Sequence[float], q: float) -> float | None:
@@ -18,3 +20,17 @@ def summary(values: Sequence[float]) -> dict[str, float | None]:
 
 def fmt(v: float | None, unit: str = "ms") -> str:
     return "-" if v is None else f"{v:,.1f} {unit}"
+
+
+def cpu_seconds(groups: Mapping[str, Iterable[int]]) -> dict[str, float]:
+    """CPU seconds (user + system, children not included) used so far by each named group of processes (by pid;
+    a process already gone counts nothing)."""
+    out: dict[str, float] = {}
+    for name, group in groups.items():
+        total = 0.0
+        for pid in group:
+            with contextlib.suppress(psutil.Error):
+                t = psutil.Process(pid).cpu_times()
+                total += t.user + t.system
+        out[name] = total
+    return out
