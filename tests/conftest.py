@@ -155,8 +155,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     if not _CPU_BY_FILE or getattr(config, "workerinput", None) is not None:
         return
     total = sum(cpu for cpu, _ in _CPU_BY_FILE.values())
-    top = sorted(_CPU_BY_FILE.items(), key=lambda kv: -kv[1][0])[:12]
-    terminalreporter.write_sep("=", f"CPU seconds by test file (all {total:.0f} s; the costliest 12)")
+    top = sorted(_CPU_BY_FILE.items(), key=lambda kv: -kv[1][0])[:30]
+    terminalreporter.write_sep("=", f"CPU seconds by test file (all {total:.0f} s; the costliest 30)")
     for path, (cpu, wall) in top:
         terminalreporter.write_line(f"{cpu:8.1f} cpu s {wall:8.1f} wall s  {path}")
     if _WORKER_DONE:  # a worker done long before the others: the files' order (HEAVY_FIRST) wants a look
