@@ -71,19 +71,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory, derived: Path, adapter: Path
         assert rc == 0, sp.output
 
 
-@functools.cache  # the bundled model's reference is wanted twice: its GGUF converts once
+@functools.cache  # the bundled model's reference is wanted twice: computed once
 def _reference(ref: str | None, n: int, adapter: Path | None = None) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy tokens) of plain transformers on that model's files (None: the bundled model), with
     peft applying ``adapter`` when given."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from splitserve.engines.model_files import resolve_model
+    from splitserve.engines.hf_export import ensure_hf_folder
     from splitserve.services.router.tokenize import PromptTokenizer
 
     ids = PromptTokenizer(ref).token_ids(proto.GenerateRequest(request_id="x", tenant="t", prompt=LONG))
-    src = resolve_model(ref)
-    model = AutoModelForCausalLM.from_pretrained(str(src.directory), gguf_file=src.gguf_file, dtype=torch.float32)
+    # the bundled GGUF from its converted folder (its weights tensor for tensor: tests/engines/
+    # test_model_export.py), not dequantised again here (~11 CPU-s a load)
+    model = AutoModelForCausalLM.from_pretrained(ensure_hf_folder(ref), dtype=torch.float32, local_files_only=True)
     if adapter is not None:
         from peft import PeftModel
 
