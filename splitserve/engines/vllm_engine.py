@@ -160,15 +160,21 @@ def _apply_env(cfg: VllmConfig, gpu: bool) -> None:
 def _start_llm(async_llm: Any, args: Any, stat_loggers: list[Any], cpus: tuple[int, ...] | None) -> Any:
     """AsyncLLM from ``args``, its engine-core process bound to ``cpus``: a spawned process inherits the CPU
     affinity of the thread that starts it, so this (pool) thread takes ``cpus`` for the start and gives them
-    back after. (vLLM's multiprocess executor binds its worker from VLLM_CPU_OMP_THREADS_BIND instead.)"""
-    before = os.sched_getaffinity(0) if cpus else None
-    if cpus:
-        os.sched_setaffinity(0, cpus)
+    back after, as do the threads the start made here (vLLM's ZMQ and monitor threads: they inherited them).
+
+    (Known, as with vLLM's multiprocess executor: its NixlConnector on CPU pins the thread that runs the model to
+    the last core of each NUMA node, whatever the pool's cores are.)"""
+    if not cpus:
+        return async_llm.from_engine_args(args, stat_loggers=stat_loggers)
+    before, threads = os.sched_getaffinity(0), set(os.listdir("/proc/self/task"))
+    os.sched_setaffinity(0, cpus)
     try:
         return async_llm.from_engine_args(args, stat_loggers=stat_loggers)
     finally:
-        if before is not None:
-            os.sched_setaffinity(0, before)
+        for tid in set(os.listdir("/proc/self/task")) - threads:
+            with contextlib.suppress(OSError):  # (one that ended meanwhile)
+                os.sched_setaffinity(int(tid), before)
+        os.sched_setaffinity(0, before)
 
 
 def engine_args(cfg: VllmConfig, model_dir: Path, gpu: bool) -> Any:
