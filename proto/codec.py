@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from splitserve.proto.messages import PROTO_VERSION, ErrorCode, StreamMessage
+from splitserve.proto.quoting import clipped, quoted
 
 HEADER_KIND = "Ss-Kind"
 HEADER_VERSION = "Ss-V"
@@ -48,14 +49,14 @@ def _check_version(data: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"payload is not valid JSON: {exc}") from None
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"payload is not valid JSON: {clipped(str(exc))}") from None
     if not isinstance(obj, dict):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "payload must be a JSON object")
     v = obj.get("v", PROTO_VERSION)
     if v != PROTO_VERSION:
         raise ProtocolError(
             ErrorCode.UNSUPPORTED_VERSION,
-            f"message version v={v!r} is not supported (this service speaks v={PROTO_VERSION})",
+            f"message version v={quoted(v)} is not supported (this service speaks v={PROTO_VERSION})",
         )
     return obj
 
@@ -63,8 +64,10 @@ def _check_version(data: bytes) -> dict[str, Any]:
 def _validation_text(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors()[:5]:
-        loc = ".".join(str(p) for p in err["loc"]) or "message"
-        parts.append(f"{loc}: {err['msg']}")
+        # A location names keys the sender wrote (an extra field of a megabyte name), and a validator's message
+        # may embed the value: both are cut, so an error (a reply, a log line) stays small whatever was sent.
+        loc = ".".join(clipped(str(p), 64) for p in err["loc"]) or "message"
+        parts.append(f"{loc}: {clipped(err['msg'])}")
     return "; ".join(parts)
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from splitserve.proto.quoting import quoted
 from splitserve.proto.subjects import check_token, reply_subjects, request_key
 from splitserve.proto.tokens import TokenIds
 
@@ -23,6 +24,7 @@ PROTO_VERSION = 1
 
 __all__ = [
     "PROTO_VERSION",
+    "MAX_STOP_CHARS",
     "Accepted",
     "AllBlocksCleared",
     "BlockRemoved",
@@ -89,7 +91,7 @@ def _own_reply_subject(subject: str, tenant: str, request_id: str) -> str:
         return stream
     if subject not in (stream, result):
         raise ValueError(f"stream_subject must be {stream!r} or {result!r} (derived from the tenant and the request "
-                         f"id), not {subject[:80]!r}")
+                         f"id), not {quoted(subject)}")
     return subject
 
 
@@ -158,6 +160,9 @@ class ChatMessage(BaseModel):
     content: str
 
 
+MAX_STOP_CHARS = 1024
+
+
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     max_tokens: int = Field(default=128, ge=1, le=1_000_000)
@@ -176,6 +181,11 @@ class SamplingParams(BaseModel):
     def _non_empty_stops(cls, v: list[str]) -> list[str]:
         if any(not s for s in v):
             raise ValueError("stop strings must be non-empty")
+        # Every generated token is checked against every stop string (and the text that may start one is held
+        # back): a megabyte stop string would cost the decoder that much per token, and ride in every record of
+        # the request. Nothing a model writes needs a longer one.
+        if (longest := max((len(s) for s in v), default=0)) > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string is at most {MAX_STOP_CHARS:,} characters; one has {longest:,}")
         return v
 
     @model_validator(mode="after")

@@ -46,13 +46,15 @@ from __future__ import annotations
 import hashlib
 import re
 
+from splitserve.proto.quoting import quoted
+
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 def check_token(value: str, what: str) -> str:
     """Validate one subject token (tenant, worker or request id): no dots, wildcards or spaces."""
     if not _TOKEN.match(value):
-        raise ValueError(f"{what} {value!r} must be 1-64 characters of letters, digits, '_' or '-'")
+        raise ValueError(f"{what} {quoted(value)} must be 1-64 characters of letters, digits, '_' or '-'")
     return value
 
 
@@ -78,7 +80,7 @@ def subject_identity(subject: str) -> tuple[str, str | None]:
         if len(parts) == length and tuple(parts[: len(prefix)]) == prefix:
             tenant = check_token(parts[t_pos], "tenant")
             return tenant, (check_token(parts[r_pos], "request id") if r_pos is not None else None)
-    raise ValueError(f"subject {subject!r} names no tenant")
+    raise ValueError(f"subject {quoted(subject)} names no tenant")
 
 
 def model_pool(model: str) -> str:

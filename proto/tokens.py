@@ -14,6 +14,8 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
 
+from splitserve.proto.quoting import quoted
+
 
 def pack_ids(ids: list[int]) -> str:
     return base64.b64encode(np.asarray(ids, dtype="<u4").tobytes()).decode("ascii")
@@ -32,7 +34,7 @@ def unpack_ids(value: Any) -> list[int]:
         out = []
         for v in value:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v >= 2**32:
-                raise ValueError(f"token id {v!r} is not an unsigned 32-bit integer")
+                raise ValueError(f"token id {quoted(v)} is not an unsigned 32-bit integer")
             out.append(v)
         return out
     raise ValueError("token ids must be a base64 string of uint32 or a list of integers")

@@ -630,15 +630,20 @@ def log_pump(src: IO[bytes], log: Path, service: str) -> None:
     read = getattr(src, "read1", None) or src.read
     with open(log, "ab", buffering=0, opener=private_opener) as out:
         # Whatever the pipe holds is copied in one write (a burst of lines, one system call); a line split across
-        # reads waits in ``rest`` for its end.
-        rest = b""
+        # reads waits in ``rest`` for its end, kept as pieces (joined once: a long line costs its length, not its
+        # length times the number of reads).
+        rest: list[bytes] = []
         while chunk := read(1 << 16):
-            lines = (rest + chunk).split(b"\n")
-            rest = lines.pop()
-            if lines:
-                out.write(b"".join(json_line(raw, service) for raw in lines))
+            lines = chunk.split(b"\n")
+            if len(lines) == 1:
+                rest.append(chunk)
+                continue
+            lines[0] = b"".join([*rest, lines[0]])
+            tail = lines.pop()
+            rest = [tail] if tail else []
+            out.write(b"".join(json_line(raw, service) for raw in lines))
         if rest:
-            out.write(json_line(rest, service))
+            out.write(json_line(b"".join(rest), service))
 
 
 def json_line(raw: bytes, service: str) -> bytes:

@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from splitserve.client import Result
 from splitserve.errors import SplitserveError
-from splitserve.proto import ErrorCode, TokenLogprob
+from splitserve.proto import MAX_STOP_CHARS, ErrorCode, TokenLogprob
+from splitserve.proto.quoting import clipped
 
 # SamplingParams' own bound; decoders cap generation at the model's context anyway.
 MAX_TOKENS_CAP = 1_000_000
@@ -116,8 +117,8 @@ def api_error_from_validation(exc: ValidationError | Any) -> ApiError:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # pydantic names union members in the location ("str", "list[str]"): not part of the caller's field path.
     loc = [p for p in loc if not (p in {"str", "int", "float", "bool"} or p.startswith(("list[", "function-")))]
-    param = ".".join(loc) or None
-    msg = str(first.get("msg", "invalid value"))
+    param = clipped(".".join(loc), 200) or None  # a location may be a key the caller wrote: bounded, as a value
+    msg = clipped(str(first.get("msg", "invalid value")))
     if first.get("type") == "json_invalid":
         return ApiError(400, "We could not parse the JSON body of your request: it is not valid JSON.")
     if first.get("type") == "missing":
@@ -268,6 +269,8 @@ class _Request(BaseModel):
             raise ValueError("stop sequences must be non-empty strings")
         if len(stops) > MAX_STOP_SEQUENCES:
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are supported; got {len(stops)}")
+        if (longest := max(map(len, stops), default=0)) > MAX_STOP_CHARS:
+            raise ValueError(f"a stop sequence is at most {MAX_STOP_CHARS:,} characters; one has {longest:,}")
         return v
 
 

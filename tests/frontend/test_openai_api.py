@@ -87,6 +87,7 @@ def test_chat_rejects_images_and_unknown_roles() -> None:
     ({"messages": [{"role": "user", "content": "x"}], "seed": -1}, "seed"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": ["", "a"]}, "stop"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": [str(i) for i in range(17)]}, "stop"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": "s" * 1025}, "stop"),
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "x"}]}, "messages.0.role"),
 ])

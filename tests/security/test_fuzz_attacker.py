@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 import nats
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -81,6 +81,7 @@ BODY_MAX = MAX_PAYLOAD - 700_000
 # What must never be in a service log while it is attacked: a handler that raised, an exception logged with
 # its traceback (a loop that failed), the dispatch loop failing.
 BAD_LOG = ('"handler_failed"', "Traceback", '"dispatch_error"', '"migration_failed"', '"redelivery_sweep_failed"')
+MAX_LOG_LINE = 16_384  # a service's longest line here is a routing decision (about 1 kB)
 T = TypeVar("T")
 
 
@@ -210,8 +211,11 @@ def bad_log_lines(w: World) -> list[str]:
         for ln in data[start:end].decode(errors="replace").splitlines():
             # A live service declared dead: the one that declared it (or the one it watched) stalled.
             stalled = '"worker_dead"' in ln and any(f'"dead_worker": "{wid}"' in ln for wid in WORKERS)
-            if stalled or any(p in ln for p in BAD_LOG):
-                out.append(f"{f.name}: {ln[:600]}")
+            # A line that quotes what an attacker sent in full: one message of megabytes would make the service
+            # write megabytes (and reply them) per message.
+            echoed = len(ln) > MAX_LOG_LINE
+            if stalled or echoed or any(p in ln for p in BAD_LOG):
+                out.append(f"{f.name}: {f'a line of {len(ln):,} chars: ' if echoed else ''}{ln[:600]}")
     return out
 
 
@@ -379,6 +383,10 @@ def test_fuzz_request_subject_as_tenant_a(world: World) -> None:
 
     @FUZZ_SETTINGS
     @given(st.uuids().flatmap(lambda u: payloads(_valid_request("A", u.hex))), headers_st)
+    # Always sent: values that an error names (the id, the version), of megabytes. The error must quote them cut
+    # short, or each such message becomes a reply and log lines of megabytes (the line-length check).
+    @example(json.dumps({**_valid_request("A", "x"), "request_id": "r" * 3_000_000}).encode(), None)
+    @example(json.dumps({**_valid_request("A", "x"), "v": "v" * 3_000_000}).encode(), None)
     def send(data: bytes, headers: dict[str, str] | None) -> None:
         counts["sent"] += 1
         try:

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
@@ -326,6 +328,38 @@ def test_log_pump_copies_whole_lines_across_reads(tmp_path: Path) -> None:
     objs = [json.loads(x) for x in lines[:-1]]
     assert [o["event"] for o in objs] == ["routed", "oops raw", "routed", "tail"]
     assert objs[1]["service"] == "svc" and objs[1]["logger"] == "stderr"
+
+
+@given(st.lists(st.text(alphabet="ab{}\n", max_size=30), max_size=12), st.lists(st.integers(1, 40), max_size=30))
+def test_log_pump_keeps_every_line_whatever_the_reads(parts: list[str], sizes: list[int]) -> None:
+    """However the pipe's reads cut the output (a long line over many reads, a read that ends a line exactly),
+    the log holds its lines in order, each once."""
+    import json
+    import tempfile
+
+    from splitserve.stack import log_pump
+
+    data = "".join(parts).encode()
+    chunks, at = [], 0
+    for n in [*sizes, len(data) + 1]:
+        if at < len(data):
+            chunks.append(data[at:at + n])
+            at += n
+
+    class Pipe:
+        def read1(self, n: int) -> bytes:
+            return chunks.pop(0) if chunks else b""
+
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "svc.log"
+        log_pump(Pipe(), log, "svc")  # type: ignore[arg-type]
+        got = [json.loads(x) for x in log.read_bytes().split(b"\n")[:-1]]
+    want = data.split(b"\n")
+    if want[-1] == b"":
+        want.pop()
+    assert len(got) == len(want)
+    for obj, line in zip(got, want, strict=True):
+        assert obj.get("event", obj) == line.decode() or json.loads(line) == obj
 
 
 def test_raw_process_output_is_wrapped_as_json() -> None:

@@ -66,6 +66,35 @@ def test_malformed_messages_give_precise_errors(payload: bytes, code: ErrorCode,
     assert needle in ei.value.message
 
 
+MB = 1_000_000
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"v": "v" * MB}, "1,000,000 chars"),
+        ({"v": 1, "tenant": "t" * MB, "request_id": "r", "prompt": "x"}, "tenant"),
+        ({"v": 1, "tenant": "t", "request_id": "r" * MB, "prompt": "x"}, "request id"),
+        ({"v": 1, "tenant": "t", "request_id": "r", "prompt_token_ids": [1, int("9" * 4000)]}, "token id"),
+        ({"v": 1, "tenant": "t", "request_id": "r", "prompt": "x", "sampling": {"k" * MB: 1}}, "sampling.kkk"),
+        ({"v": 1, "tenant": "t", "request_id": "r", "prompt": "x", "sampling": {"stop": ["s" * MB]}},
+         "at most 1,024 characters"),
+    ],
+)
+def test_an_error_quotes_a_huge_value_cut_short(body: dict[str, object], needle: str) -> None:
+    """An error names the value it refuses, cut to a bound: a megabyte field must not come back as a megabyte
+    error reply, nor be written into every log line that carries the error."""
+    with pytest.raises(ProtocolError) as ei:
+        proto.decode(json.dumps(body).encode(), GenerateRequest)
+    assert needle in ei.value.message and len(ei.value.message) < 1000, ei.value.message[:2000]
+
+
+def test_stop_strings_up_to_the_bound_are_taken() -> None:
+    req = GenerateRequest(request_id="r", tenant="t", prompt="x",
+                          sampling=proto.SamplingParams(stop=["s" * proto.MAX_STOP_CHARS] * 16))
+    assert proto.decode(proto.encode(req), GenerateRequest).sampling.stop == req.sampling.stop
+
+
 def test_stream_union_decodes_each_kind() -> None:
     d = StreamDelta(request_id="r", seq=0, token_ids=[5], text="a")
     e = StreamError(request_id="r", code=ErrorCode.WORKER_DIED, message="gone")
