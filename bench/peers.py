@@ -23,8 +23,11 @@ back. TTFT at concurrency 1 is request sent -> first token text; throughput is a
 ``--requests`` requests at each ``--concurrency``. Every figure is printed beside ``direct``'s from the same
 run (the ratio column): the machine is shared, so only same-run comparisons mean anything.
 
+``--stream-interval 1,8`` runs splitserve once per value (its decoders' tokens per stream delta, as vLLM's
+option): the same stack sending each token at once and 8 at a time, in the same run.
+
     python -m bench.peers [--targets direct,vllm-rr,vllm-ca,sglang-ca,splitserve] [--requests 2000]
-        [--concurrency 32,128] [--ttft-requests 200] [--workers 2] [--json]
+        [--concurrency 32,128] [--ttft-requests 200] [--workers 2] [--stream-interval 1] [--json]
 """
 
 from __future__ import annotations
@@ -279,7 +282,8 @@ async def measure(target: str, urls: list[str], model: str, args: argparse.Names
 
 # ------------------------------------------------------------------------------------------------ runs
 
-def run_target(target: str, args: argparse.Namespace, logs: Path, workers: list[str], peers: Path | None) -> Result:
+def run_target(target: str, args: argparse.Namespace, logs: Path, workers: list[str], peers: Path | None,
+               interval: int = 1) -> Result:
     procs: list[Proc] = []
     try:
         if target == "direct":
@@ -306,8 +310,8 @@ def run_target(target: str, args: argparse.Namespace, logs: Path, workers: list[
             env = {**os.environ, "SPLITSERVE_MOCK_STEP_MS": "0", "SPLITSERVE_MOCK_PREFILL_TPS": "1e12"}
             # its own nats-server with monitoring: the messages each service sends and receives per request
             nats = start_nats(logs / "nats", monitor=True)
-            sp = start_stack(logs / "splitserve", "--engine", "mock", "--prefill", "1", "--decode",
-                             str(args.workers), "--nats-url", nats.url, env=env)
+            sp = start_stack(logs / f"splitserve-{interval}", "--engine", "mock", "--prefill", "1", "--decode",
+                             str(args.workers), "--nats-url", nats.url, "--stream-interval", str(interval), env=env)
             try:
                 import urllib.request
 
@@ -361,12 +365,12 @@ def _msgs_by_service(conns: list[dict[str, Any]]) -> dict[str, int]:
 def report(results: list[Result], args: argparse.Namespace) -> None:
     base = next((r for r in results if r.target == "direct" and not r.skipped), None)
     cs = args.concurrency
-    head = f"{'target':<12} {'TTFT p50 / p99 at c=1 (ms)':>28} " + " ".join(f"{'req/s c=' + str(c):>16}" for c in cs)
+    head = f"{'target':<16} {'TTFT p50 / p99 at c=1 (ms)':>28} " + " ".join(f"{'req/s c=' + str(c):>16}" for c in cs)
     print(head)
     print("-" * len(head))
     for r in results:
         if r.skipped:
-            print(f"{r.target:<12} skipped: {r.skipped}")
+            print(f"{r.target:<16} skipped: {r.skipped}")
             continue
         t = r.ttft_ms
         ttft = f"{t.get('p50') or float('nan'):.2f} / {t.get('p99') or float('nan'):.2f}"
@@ -375,7 +379,7 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
             v = r.rps.get(c, float("nan"))
             ratio = f" ({v / base.rps[c]:.2f}x)" if base is not None and base.rps.get(c) else ""
             cells.append(f"{v:>8.0f}{ratio:>8}")
-        print(f"{r.target:<12} {ttft:>28} " + " ".join(f"{c:>16}" for c in cells)
+        print(f"{r.target:<16} {ttft:>28} " + " ".join(f"{c:>16}" for c in cells)
               + (f"  errors {r.errors}" if r.errors else ""))
     if base is not None:
         print(f"(ratios: req/s over direct's in the same run; {args.requests} requests per point, "
@@ -406,6 +410,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=2, help="zero-cost workers (splitserve: decoders)")
     ap.add_argument("--prompt-chars", type=int, default=400)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--stream-interval", default="1",
+                    help="splitserve's decoders' tokens per stream delta (vLLM's --stream-interval); several, "
+                         "comma-separated (e.g. 1,8), run splitserve once each, in the same run")
     ap.add_argument("--peers-venv", type=Path, default=PEERS_VENV)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -430,9 +437,15 @@ def main(argv: list[str] | None = None) -> None:
         for url, p in zip(urls, workers, strict=True):
             wait_http(url, p)
         results = []
+        intervals = [int(i) for i in str(args.stream_interval).split(",") if i]
         for t in targets:
-            print(f"... {t}", file=sys.stderr, flush=True)
-            results.append(run_target(t, args, logs, urls, peers))
+            for interval in (intervals if t == "splitserve" else [1]):
+                print(f"... {t}" + (f" (stream interval {interval})" if t == "splitserve" else ""), file=sys.stderr,
+                      flush=True)
+                res = run_target(t, args, logs, urls, peers, interval)
+                if t == "splitserve" and intervals != [1]:
+                    res.target = f"splitserve si={interval}"
+                results.append(res)
     finally:
         for p in workers:
             p.stop()

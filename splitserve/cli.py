@@ -172,6 +172,9 @@ def up(
     max_migrations: int = typer.Option(2, "--max-migrations", min=0, help="times a request whose worker died is "
                                        "moved to another (or to the same one, restarted); 0: it ends with "
                                        "worker_died at once"),
+    stream_interval: int = typer.Option(1, "--stream-interval", min=1, help="tokens per stream delta, as vLLM's "
+                                        "--stream-interval: 1 sends each token at once; N sends the first at once, "
+                                        "then N at a time (fewer messages at high concurrency, burstier streams)"),
     slo_admission: bool = typer.Option(False, "--slo-admission", help="the routers refuse at once (HTTP 429, "
                                        "Retry-After) a request of a tenant with SLO targets (the tenants file's "
                                        "slo:) that no worker can meet with the queue ahead, instead of serving "
@@ -235,7 +238,7 @@ def up(
                       state_dir=state_dir or discovery.home() / "stack", threads=threads,
                       cache_tokens=cache_tokens, l1_tokens=l1_tokens, prefill_cpus=prefill_cpus,
                       decode_cpus=decode_cpus, colocated=colocated, max_stall_ms=max_stall_ms,
-                      max_migrations=max_migrations, slo_admission=slo_admission,
+                      max_migrations=max_migrations, stream_interval=stream_interval, slo_admission=slo_admission,
                       long_decode=long_decode, long_decode_cpus=long_decode_cpus,
                       long_prompt_tokens=long_prompt_tokens,
                       http_port=http_port, frontends=frontends, http_host=host, log_level=log_level,

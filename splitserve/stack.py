@@ -189,6 +189,7 @@ class StackConfig:
     long_prompt_tokens: int = 2048
     max_stall_ms: float = 100.0
     max_migrations: int = 2  # the routers' --max-migrations
+    stream_interval: int = 1  # the decoders' --stream-interval (tokens per stream delta)
     slo_admission: bool = False  # the routers' --slo-admission
     max_loras: int = 0  # the workers' --max-loras (0: every adapter loaded at start)
     lora_affinity: bool = True  # the routers' --lora-affinity
@@ -339,6 +340,8 @@ class Stack:
                                     max(1, (os.cpu_count() or 1) // max(1, c.prefill + c.decode)))
             args = [*eng, *model_args(pool), "--threads", str(threads), "--cache-tokens", str(c.cache_tokens),
                     "--l1-tokens", str(c.l1_tokens)]
+            if role != "prefill" and c.stream_interval != 1:
+                args += ["--stream-interval", str(c.stream_interval)]
             return args + (["--cpus", ",".join(map(str, cores))] if cores else [])
 
         # Colocated: there is nowhere else to send a prompt, so no stall limit (decoders chunk instead).

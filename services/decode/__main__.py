@@ -34,6 +34,9 @@ def main(
     cpus: str | None = cli.Cpus,
     landing_tokens: int = typer.Option(16384, help="KV landing buffer size in tokens"),
     max_batch: int = typer.Option(16, help="most sequences decoded together"),
+    stream_interval: int = typer.Option(1, min=1, help="tokens per stream delta, as vLLM's --stream-interval: "
+                                        "1 sends each token at once; N sends the first at once, then N at a time "
+                                        "(fewer messages per token at high concurrency, burstier streams)"),
     cache_tokens: int = typer.Option(8192, help="prefix-cache capacity in tokens (0 = off)"),
     l1_tokens: int = typer.Option(0, help="CPU L1 prefix-cache tier capacity in tokens (0 = off)"),
     prefill_chunk: int = typer.Option(256, help="local prefill chunk (tokens) while other streams are active"),
@@ -77,13 +80,13 @@ def main(
                             tensor_parallel_size=vllm_tp, lmcache_config=lmcache_config,
                             max_lora_rank=vllm_max_lora_rank)
         run_service(VllmDecodeService(worker_id, nats_url, opts=opts, vllm=vopts, max_batch=max_batch,
-                                      pool=pool, log_level=log_level))
+                                      pool=pool, log_level=log_level, stream_interval=stream_interval))
         return
     run_service(DecodeService(worker_id, nats_url, opts=opts, landing_tokens=landing_tokens,
                               max_batch=max_batch, cache_tokens=cache_tokens, l1_tokens=l1_tokens,
                               prefill_chunk=prefill_chunk, max_retire_copy_tokens=max_retire_copy_tokens,
                               pool=pool, log_level=log_level, drain_timeout_s=drain_timeout_s,
-                              handoff_grace_s=handoff_grace_s))
+                              handoff_grace_s=handoff_grace_s, stream_interval=stream_interval))
 
 
 if __name__ == "__main__":

@@ -122,6 +122,12 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)  # perf_counter per emitted token (ITL summary)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when asked for
     cost: StageCost = field(default_factory=StageCost)  # the worker-seconds it caused (chargeback)
+    # Generated but not yet published (``--stream-interval`` above 1): sent together as one delta. The caller
+    # and the routers have seen exactly the tokens published, so a sequence handed over with some unsent is
+    # resumed from the last published token (the next decoder makes those tokens again).
+    unsent_ids: list[int] = field(default_factory=list)
+    unsent_text: str = ""
+    unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class DecodeService(Service):
@@ -145,10 +151,17 @@ class DecodeService(Service):
         prefill_chunk: int = 256,
         max_retire_copy_tokens: int = 1024,
         pool: str = "general",
+        stream_interval: int = 1,
         **kw: Any,
     ) -> None:
         super().__init__(worker_id, nats_url, **kw)
         self.opts = opts
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        # Tokens per stream delta, as vLLM's --stream-interval: 1 sends each token at once; N sends the first at
+        # once, then N at a time (the last ones with the final), for 1/N of the per-token messages and work here,
+        # in NATS, the routers and the front doors.
+        self.stream_interval = stream_interval
         self.pool_name = pool  # context pool: "long" decoders take the long prompts
         self.prefill_chunk = prefill_chunk
         self.max_retire_copy_tokens = max_retire_copy_tokens
@@ -737,16 +750,29 @@ class DecodeService(Service):
         if reason is not None:
             self.ending.add(job.key)  # from its last delta on, a forced revoke keeps it (on_revoke)
         try:
-            if job.stream and (text or reason is None):
-                await self.b.publish(job.stream_subject, StreamDelta(
-                    request_id=job.request_id, seq=seq.seq_no, token_ids=[token], text=text,
-                    logprobs=[logprob] if logprob is not None else None))
-                seq.seq_no += 1
+            if job.stream:
+                seq.unsent_ids.append(token)
+                seq.unsent_text += text
+                if logprob is not None:
+                    seq.unsent_logprobs.append(logprob)
+                # The first token at once (time to first token), then every stream_interval tokens; a last
+                # token goes with the ones still unsent, just before the final (_finish_seq).
+                if reason is None and (seq.seq_no == job.start_seq or len(seq.unsent_ids) >= self.stream_interval):
+                    await self._send_unsent(seq)
             if reason is not None:
                 await self._finish(seq, reason)
         finally:
             if reason is not None:
                 self.ending.discard(job.key)
+
+    async def _send_unsent(self, seq: Sequence) -> None:
+        job = seq.job
+        ids, text, lps = seq.unsent_ids, seq.unsent_text, seq.unsent_logprobs
+        seq.unsent_ids, seq.unsent_text, seq.unsent_logprobs = [], "", []
+        await self.b.publish(job.stream_subject, StreamDelta(
+            request_id=job.request_id, seq=seq.seq_no, token_ids=ids, text=text,
+            logprobs=lps or None))
+        seq.seq_no += 1
 
     async def _finish(self, seq: Sequence, reason: str) -> None:
         self.ending.add(seq.job.key)
@@ -757,6 +783,10 @@ class DecodeService(Service):
 
     async def _finish_seq(self, seq: Sequence, reason: str) -> None:
         job = seq.job
+        # What is still unsent goes out before the final. A sequence's last token alone is sent only with text
+        # (the final carries every token id), as when each token is sent at once.
+        if job.stream and (seq.unsent_text or len(seq.unsent_ids) > 1):
+            await self._send_unsent(seq)
         await self._drop(job.key, [*job.prompt_token_ids, *seq.generated])  # generated includes resumed
         seq.timings.total_ms = now_ms() - job.created_ms
         usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(seq.generated),

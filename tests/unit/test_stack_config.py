@@ -83,6 +83,16 @@ def test_long_context_decoders_share_the_prefill_cores_by_default() -> None:
     assert [_arg(kids[n], "--cpus") for n in ("decode-0", "decode-1")] == ["0", "1"]
 
 
+def test_up_stream_interval_reaches_every_decoder_and_no_prefiller() -> None:
+    kids = {c.name: c.argv for c in _stack([0, 1], prefill=1, decode=2, long_decode=1,
+                                           stream_interval=8)._children()}
+    assert [_arg(kids[n], "--stream-interval") for n in ("decode-0", "decode-1", "decode-long-0")] == ["8"] * 3
+    assert "--stream-interval" not in kids["prefill-0"]
+    # the default (1) adds no flag: the decoders' own default is the same
+    kids = {c.name: c.argv for c in _stack([0, 1], prefill=1, decode=1)._children()}
+    assert not any("--stream-interval" in argv for argv in kids.values())
+
+
 def _hb(seq: int, state: str = "ready", pid: int = 10) -> Heartbeat:
     return Heartbeat(worker_id="d0", role="decode", seq=seq, state=state, interval_ms=500, pid=pid)  # type: ignore[arg-type]
 
