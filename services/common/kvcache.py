@@ -64,7 +64,10 @@ class KvEventPublisher:
         await self.bus.publish(Subjects.kv_events(self.worker_id), batch)
 
     async def flush(self) -> None:
-        events = await self.thread.run(self.store.drain_events)
+        await self.send(await self.thread.run(self.store.drain_events))
+
+    async def send(self, events: list[KvEvent]) -> None:
+        """Publish events the caller drained from the store on the engine thread (nothing when there are none)."""
         if events:
             await self._publish(events)
 

@@ -32,6 +32,7 @@ import torch
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
+from splitserve.cache.events import KvEvent
 from splitserve.cache.store import PrefixKvStore
 from splitserve.engines import KvSource, PrefillResult, PromptTooLong, Sampling, TokenLogprobs, UnknownAdapter
 from splitserve.engines.detok import IncrementalDetokenizer, StopChecker
@@ -570,7 +571,8 @@ class DecodeService(Service):
             if kv is None:
                 t0 = time.perf_counter()
                 try:
-                    res = await self._local_prefill(context, sampling, job.cache_salt, job.lora)
+                    # the sequence joins the batch in the prefill's own engine call (added below otherwise)
+                    res = await self._local_prefill(context, sampling, job.cache_salt, job.lora, add_key=job.key)
                 except PromptTooLong as exc:
                     await self._error(job, ErrorCode.PROMPT_TOO_LONG, str(exc))
                     return
@@ -580,7 +582,8 @@ class DecodeService(Service):
                 first_lp = self._wire_lp(res.first_logprobs)
                 adm.cached_tokens = max(0, len(job.prompt_token_ids) - res.num_computed_tokens)
             assert first is not None
-            await self.thread.run(self.engine.add_sequence, job.key, kv, first, sampling, lora=job.lora)
+            if adm.kv is not None:  # its KV came from a prefiller
+                await self.thread.run(self.engine.add_sequence, job.key, kv, first, sampling, lora=job.lora)
             tracing.set_attrs(asp, cached_tokens=adm.cached_tokens,
                               prefill_ms=None if prefill_ms is None else round(prefill_ms, 2),
                               local_prefill=adm.kv is None, transfer_ms=adm.transfer_ms,
@@ -643,24 +646,28 @@ class DecodeService(Service):
         return StageCost(prefill_s=prefill_s, transfer_s=transfer_s, cached_tokens=cached, saved_s=saved)
 
     async def _local_prefill(self, ids: list[int], sampling: Sampling, cache_salt: str | None = None,
-                             lora: str | None = None) -> PrefillResult:
+                             lora: str | None = None, add_key: str | None = None) -> PrefillResult:
         """Prefill on this decoder, reusing the longest cached prefix. While other streams are active, a
         long prompt is computed in chunks with one decode step between chunks, so no stream waits more
         than one chunk (the router's stall rule sends prompts that would stall too long to a prefiller).
-        ``cache_salt`` (the job's, from the router) scopes the prefix lookup to the request's tenant / group."""
+        ``cache_salt`` (the job's, from the router) scopes the prefix lookup to the request's tenant / group.
+        ``add_key``: the last chunk's engine call also adds the sequence to the batch under that key.
+
+        The prefix lookup, the first chunk and the add run in one engine-thread call when they can: each hop
+        to the engine thread costs a few hundred microseconds of CPU on a busy machine (two thread wake-ups and
+        the GIL's hand-overs), which was most of what a short request cost a decoder."""
         past, cached = None, 0
-        if self.store is not None:
-            m = await self.thread.run(self.store.match, ids, cache_salt=cache_salt)
-            if m.num_tokens:
-                past, cached = m.kv, m.num_tokens
-        pos, compute_s, chunks = cached, 0.0, 0
+        pos, compute_s, chunks = 0, 0.0, 0
+        first_call = True
         while True:
             self._admitting_prefill = len(ids) - pos  # what load() reports: a cached prefix costs nothing
-            chunked = bool(self.active) and self.prefill_chunk > 0
-            end = min(len(ids), pos + self.prefill_chunk) if chunked else len(ids)
-            t0 = time.perf_counter()
-            res = await self.thread.run(self.engine.prefill, ids[:end], sampling, past_kv=past, lora=lora)
-            compute_s += time.perf_counter() - t0
+            chunk = self.prefill_chunk if self.active and self.prefill_chunk > 0 else 0
+            res, end, step_s, matched = await self.thread.run(
+                self._prefill_chunk, ids, pos, chunk, sampling, past, lora, add_key, cache_salt, first_call)
+            if matched is not None:
+                cached = matched
+            first_call = False
+            compute_s += step_s
             chunks += 1
             if end >= len(ids):
                 break
@@ -678,12 +685,38 @@ class DecodeService(Service):
         return PrefillResult(first_token=res.first_token, kv=res.kv, num_computed_tokens=computed,
                              first_logprobs=res.first_logprobs)
 
+    def _prefill_chunk(self, ids: list[int], pos: int, chunk: int, sampling: Sampling, past: torch.Tensor | None,
+                       lora: str | None, add_key: str | None, cache_salt: str | None,
+                       match: bool) -> tuple[PrefillResult, int, float, int | None]:
+        """Engine thread: one chunk of a local prefill from ``pos`` (``chunk`` tokens at most; 0: to the end),
+        first looking up the cached prefix when ``match`` (then ``pos`` starts past it), and adding the sequence
+        under ``add_key`` when this chunk ends the prompt. Returns the prefill's result, where the chunk ended,
+        its compute seconds and the cached prefix's length when it was looked up."""
+        matched: int | None = None
+        if match and self.store is not None:
+            m = self.store.match(ids, cache_salt=cache_salt)
+            matched = m.num_tokens
+            if m.num_tokens:
+                past, pos = m.kv, m.num_tokens
+        end = min(len(ids), pos + chunk) if chunk else len(ids)
+        t0 = time.perf_counter()
+        res = self.engine.prefill(ids[:end], sampling, past_kv=past, lora=lora)
+        compute_s = time.perf_counter() - t0
+        if add_key is not None and end >= len(ids):
+            self.engine.add_sequence(add_key, res.kv, res.first_token, sampling, lora=lora)
+        return res, end, compute_s, matched
+
     def _retire(self, key: str, tokens: list[int], keep: bool, cache_salt: str | None = None) -> None:
         """Engine thread: drop a sequence, keeping its KV as reusable prefix blocks when it ended well, keyed
         by its job's cache salt (so only its own tenant / cache group can hit them)."""
         kv = self.engine.remove_sequence(key, keep_kv=keep and self.store is not None)
         if kv is not None and self.store is not None:
             self.store.insert(tokens[: kv.shape[3]], kv, cache_salt=cache_salt)
+
+    def _retire_and_drain(self, key: str, tokens: list[int], keep: bool, cache_salt: str | None) -> list[KvEvent]:
+        """Engine thread: :meth:`_retire`, then the prefix cache's pending KV events (none without a cache)."""
+        self._retire(key, tokens, keep, cache_salt)
+        return self.kv_events.store.drain_events() if self.kv_events is not None else []
 
     def _max_new(self, job: DecodeJob) -> int:
         # Cap at the model's context: one sequence at the limit would stop the whole batch (ContextFull). A
@@ -831,9 +864,10 @@ class DecodeService(Service):
             # 3,000-token sequence: ~80 ms, most of a decode step); with streams active, skip it. The prompt's
             # prefix stays cached where it was prefilled.
             keep = tokens is not None and (not self.active or len(tokens) <= self.max_retire_copy_tokens)
-            await self.thread.run(self._retire, key, tokens or [], keep, seq.job.cache_salt)
+            # the retire and the drain of the KV events it made: one engine-thread call (see _local_prefill)
+            events = await self.thread.run(self._retire_and_drain, key, tokens or [], keep, seq.job.cache_salt)
             if self.kv_events is not None:
-                await self.kv_events.flush()
+                await self.kv_events.send(events)
 
     async def _error(self, job: DecodeJob, code: ErrorCode, message: str) -> None:
         # The sequence's stream span when it was admitted, else whatever span is current (decode.admit).

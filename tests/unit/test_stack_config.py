@@ -83,6 +83,19 @@ def test_long_context_decoders_share_the_prefill_cores_by_default() -> None:
     assert [_arg(kids[n], "--cpus") for n in ("decode-0", "decode-1")] == ["0", "1"]
 
 
+def test_a_mock_stack_is_pinned_only_when_asked() -> None:
+    # the mock engine sleeps instead of computing: pools would only squeeze its control plane onto half the cores
+    mock_stack = _stack([0, 1], engine="mock", prefill=1, decode=2)
+    assert mock_stack.pools == {}
+    with mock.patch("os.sched_getaffinity", return_value={0, 1}):
+        assert mock_stack.control_cpus() is None
+    kids = {c.name: c.argv for c in mock_stack._children()}
+    assert not any("--cpus" in argv for argv in kids.values())
+    asked = _stack([0, 1], engine="mock", prefill=1, decode=2, decode_cpus="1")
+    assert asked.pools == {"prefill": [0], "decode": [1]}
+    assert _stack([0, 1], prefill=1, decode=2).pools == {"prefill": [0], "decode": [1]}  # hf: pinned by default
+
+
 def test_up_stream_interval_reaches_every_decoder_and_no_prefiller() -> None:
     kids = {c.name: c.argv for c in _stack([0, 1], prefill=1, decode=2, long_decode=1,
                                            stream_interval=8)._children()}
