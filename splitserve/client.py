@@ -41,6 +41,7 @@ from splitserve.proto import (
     StreamError,
     StreamFinal,
 )
+from splitserve.runtime import natsnext
 from splitserve.runtime.bus import Bus, NotAuthorized, PermissionDenied
 from splitserve.runtime.bus import PayloadTooLarge as _BusPayloadTooLarge
 from splitserve.tenancy import natsauth
@@ -147,7 +148,7 @@ class Generation:
                 msg: Any = None
                 try:
                     # In slices, so a reconnect is noticed while waiting.
-                    raw = await sub.next_msg(timeout=max(0.05, min(wait, 1.0)))
+                    raw = await natsnext.next_msg(sub, max(0.05, min(wait, 1.0)))
                 except (NatsTimeout, TimeoutError):
                     if bus.reconnects != seen_reconnects:
                         # The connection came back: what was published meanwhile is gone. Re-send the same
