@@ -58,6 +58,7 @@ from splitserve.tenancy.quota import QuotaBook
 if TYPE_CHECKING:
     from splitserve.services.router.tokenize import PromptTokenizer
 
+DROPPED_KEPT = 100_000  # requests ended without their queue message, remembered until it comes up
 REGISTRY_WARMUP_S = 1.5  # three heartbeat intervals: a router that just started has heard every live worker
 
 
@@ -139,7 +140,7 @@ class RouterCore(Service):
         self.use_queue = queue
         self.queue_ack_wait_s = queue_ack_wait_s
         self._dispatch_wake = asyncio.Event()
-        # Requests cancelled (or expired) while waiting in the queue: dropped when they reach dispatch.
+        # Requests that ended without their queue message in hand: acked when it comes up (_drop_queue_message)
         self.dropped: OrderedDict[str, None] = OrderedDict()
         self._deadlines: list[tuple[float, str, str]] = []  # (deadline ms, tenant, request id) accepted here
         self._accepted_meta: dict[str, tuple[str, str, int]] = {}  # key -> (tenant, stream subject, prompt len)
@@ -222,6 +223,8 @@ class RouterCore(Service):
                 with contextlib.suppress(Exception):
                     await msg.ack()
             return
+        if msg is None:  # dispatched by intake (the queue's fast path) before its queue message was pulled
+            self._drop_queue_message(inf.key)
 
         async def settle() -> None:
             if inf.record is not None:
@@ -231,6 +234,11 @@ class RouterCore(Service):
                     await msg.ack()
 
         self.b.spawn(settle())
+
+    def _drop_queue_message(self, key: str) -> None:  # (it ended in the queue, or intake dispatched it)
+        self.dropped[key] = None
+        while len(self.dropped) > DROPPED_KEPT:
+            self.dropped.popitem(last=False)
 
     async def _settle(self, rec: RequestRecord, rev: int, status: str, used_tokens: int | None) -> None:
         """Mark the request's record ended (unless another router took it over meanwhile) and release its

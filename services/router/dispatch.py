@@ -113,20 +113,22 @@ class Dispatch(RouterCore):
             self.log.error("queue_message_forbidden", subject=qmsg.subject, error=refusal)
             await qmsg.term()
             return
+        # Checked before any span: a message of a request this router runs or ran (redelivered, or the queue
+        # message of one intake dispatched itself) is no dispatch in the request's trace.
+        if key in self.inflight:  # redelivered while we still run it (a missed keep-alive), or intake dispatched it
+            self.inflight[key].queue_msg = qmsg  # (kept alive and acked with the flight; the newest copy)
+            return
+        if key in self.dropped:
+            await qmsg.ack()
+            return
+        if key in self._claiming:  # a second copy of a request this router is dispatching right now
+            return
         with tracing.span_from(qmsg.headers, "router.dispatch", request_id=rid, tenant=req.tenant) as sp, \
                 structlog.contextvars.bound_contextvars(request_id=rid, tenant=req.tenant):
             delivered = int(qmsg.metadata.num_delivered)
             wait_ms = max(0.0, now_ms() - q.accepted_ms)
             tracing.set_attrs(sp, queue_wait_ms=round(wait_ms, 2), deliveries=delivered)
             sp.set_attributes(tracing.gen_ai_of(req, self.models.served(req.model).name))
-            if key in self.inflight:  # redelivered while we still run it (a missed keep-alive): keep the newest
-                self.inflight[key].queue_msg = qmsg
-                return
-            if key in self.dropped:
-                await qmsg.ack()
-                return
-            if key in self._claiming:  # a second copy of a request this router is dispatching right now
-                return
             self._claiming.add(key)
             try:
                 await self._dispatch_claimed(q, qmsg, sp, guaranteed, pin)

@@ -26,6 +26,7 @@ from splitserve.proto import (
 )
 from splitserve.runtime.bus import PayloadTooLarge, reply_allowed
 from splitserve.services.router.core import REGISTRY_WARMUP_S
+from splitserve.services.router.direct import DirectDispatch
 from splitserve.services.router.models import ServedModel
 from splitserve.services.router.slo_gate import SloGate, refusal_message
 from splitserve.services.router.tokenize import PromptTokenizer
@@ -41,7 +42,7 @@ class _TokenizerBusy(Exception):
     pass
 
 
-class Intake(SloGate):
+class Intake(SloGate, DirectDispatch):
     """Admission of a request: checks, tokenizing, limits, the durable queue, Accepted."""
 
     async def on_request(self, req: GenerateRequest, msg: Msg) -> None:
@@ -268,8 +269,8 @@ class Intake(SloGate):
     async def _intake_queued(self, req: GenerateRequest, msg: Msg, sp: trace.Span, ids: list[int],
                              queued: int, pool: str) -> None:
         """Reserve quota (global), register the request id (create-only: once cluster-wide), store it in the
-        queue, answer Accepted. A step that fails undoes the ones before it, so a refused request holds
-        nothing."""
+        queue, answer Accepted; then dispatch it at once when nothing waits (:meth:`_direct_ok`). A step that fails
+        undoes the ones before it, so a refused request holds nothing."""
         rid, tenant = req.request_id, req.tenant
         refusal = self.quota.check_static(tenant, len(ids), req.sampling.max_tokens)
         reserved = False
@@ -288,6 +289,24 @@ class Intake(SloGate):
             await self._reject(req, msg, _REFUSAL_CODES[refusal.code], refusal.message,
                                retry_after_s=refusal.retry_after_s, limit=refusal.limit)
             return
+        # The queue's fast path: with nothing waiting in its lanes and a decode slot free, the request is still
+        # stored first (accepted means stored), then claimed and routed here at once instead of when the dispatch
+        # loop pulls it (a loop wake-up and a pull's round trip off its time to first token). Held in _claiming
+        # from before it is stored, so that the loop, pulling its queue message meanwhile, leaves it to this.
+        direct = self._direct_ok(pool, req.model or "")
+        if direct:
+            self._claiming.add(req.key)
+            self._direct_pending += 1
+        try:
+            await self._store_and_accept(req, msg, sp, ids, queued, pool, reserved, direct)
+        finally:
+            if direct:
+                self._claiming.discard(req.key)
+                self._direct_pending -= 1
+
+    async def _store_and_accept(self, req: GenerateRequest, msg: Msg, sp: trace.Span, ids: list[int], queued: int,
+                                pool: str, reserved: bool, direct: bool) -> None:
+        rid, tenant = req.request_id, req.tenant
         rec = RequestRecord(request_id=rid, tenant=tenant, state="queued", stream_subject=req.stream_subject,
                             prompt_tokens=len(ids), max_tokens=req.sampling.max_tokens,
                             deadline_ms=req.deadline_ms, accepted_by=self.worker_id)
@@ -320,10 +339,18 @@ class Intake(SloGate):
         if req.deadline_ms is not None:
             heapq.heappush(self._deadlines, (req.deadline_ms, tenant, rid))
         self._rate(tenant, "accepted").add(self.clock())
-        tracing.set_attrs(sp, prompt_tokens=len(ids), queued_ahead=queued)
-        self.log.info("queued", request_id=rid, tenant=tenant, prompt_tokens=len(ids), queued_ahead=queued)
+        tracing.set_attrs(sp, prompt_tokens=len(ids), queued_ahead=queued, direct_dispatch=direct)
+        self.log.info("queued", request_id=rid, tenant=tenant, prompt_tokens=len(ids), queued_ahead=queued,
+                      direct=direct)
         await self.b.respond(msg, Accepted(request_id=rid, router_id=self.worker_id, prompt_tokens=len(ids)))
-        self._dispatch_wake.set()
+        dispatched = False
+        if direct:
+            try:
+                dispatched = await self._dispatch_direct(q, sp, rec, rev)
+            except Exception as exc:  # stored all the same: the loop pulls it, and claims or recovers it
+                self.log.warning("direct_dispatch_failed", request_id=rid, error=str(exc))
+        if not dispatched:
+            self._dispatch_wake.set()
 
     async def _unreserve(self, tenant: str, rid: str, reserved: bool) -> None:
         if reserved:

@@ -21,8 +21,6 @@ from splitserve.proto import (
 )
 from splitserve.services.router.core import RouterCore
 
-DROPPED_KEPT = 100_000  # requests ended in the queue, remembered until their queue message comes up
-
 
 class QueuedEnds(RouterCore):
     """Cancels and deadlines of requests that have not left the queue."""
@@ -76,9 +74,7 @@ class QueuedEnds(RouterCore):
     async def _end_queued(self, key: str, reason: str, why: str) -> None:
         tenant, stream_subject, prompt_tokens = self._accepted_meta.pop(key)
         rid = key[len(tenant) + 1:]
-        self.dropped[key] = None
-        while len(self.dropped) > DROPPED_KEPT:
-            self.dropped.popitem(last=False)
+        self._drop_queue_message(key)
         self.log.info("queued_request_ended", request_id=rid, tenant=tenant, reason=reason, why=why)
         usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0)
         await self.b.publish(stream_subject, StreamFinal(

@@ -2,7 +2,9 @@
 
 Intake (``ss.req.{tenant}``, request/reply): tokenize, check the model's and the tenant's limits (unknown
 tenant, max prompt / max_tokens, in-flight, queued, tokens per minute: a precise refusal with a retry-after),
-store the request durably in its tenant's queue (``splitserve.runtime.workqueue``) and answer Accepted.
+store the request durably in its tenant's queue (``splitserve.runtime.workqueue``) and answer Accepted. When
+nothing waits in the queue and a decoder has a free slot (and no other router is live), intake then dispatches
+it itself, at once (:mod:`.direct`).
 
 Dispatch: while decoders have free slots, the fair scheduler (``splitserve.tenancy.fairshare``) picks the
 tenant to serve next by weighted tokens; the router pulls that tenant's next request, asks the routing
@@ -32,8 +34,8 @@ requests it just dispatched (the other routers' pending-load ledgers count them 
 ``--no-queue`` dispatches at intake instead (no durability, no fair share, one router's own quotas), for
 comparison.
 
-The parts: :mod:`.core` (state, a request's end), :mod:`.intake`, :mod:`.dispatch`, :mod:`.migration`, :mod:`.preempt`,
-:mod:`.slo_gate` (SLO admission),
+The parts: :mod:`.core` (state, a request's end), :mod:`.intake`, :mod:`.direct` (the queue's fast path),
+:mod:`.dispatch`, :mod:`.migration`, :mod:`.preempt`, :mod:`.slo_gate` (SLO admission),
 :mod:`.queued_ends`, :mod:`.peers`, :mod:`.admin`, :mod:`.warmstart` (the index replica's KV events, warm-started
 from the cache index before the router reports ready).
 """

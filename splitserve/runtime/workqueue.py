@@ -40,7 +40,7 @@ from nats.js.errors import NotFoundError
 
 from splitserve import proto
 from splitserve.obs import tracing
-from splitserve.proto import QueuedRequest, Subjects
+from splitserve.proto import GenerateRequest, QueuedRequest, Subjects
 from splitserve.runtime.bus import Bus
 from splitserve.runtime.jetstream import ensure_stream, replicas_for
 
@@ -167,6 +167,14 @@ class WorkQueue:
         if existed:  # (a lane made just now read its pending count from the server: this message included)
             lane.pending += 1
         return True
+
+    def taken(self, req: GenerateRequest, pool: str) -> None:
+        """A request this router stored was dispatched without being pulled (the queue's fast path): it does not
+        wait, so it no longer counts as waiting here. Its message stays in the queue until a pull brings it (the
+        periodic refresh counts it again), and the router acks it then."""
+        lane = self._lanes.get((req.tenant, pool, priority_class(req.priority)))
+        if lane is not None and lane.pending > 0:
+            lane.pending -= 1
 
     # --- dispatch --------------------------------------------------------------------------------------
     async def lane(self, tenant: str, klass: int, pool: str) -> _Lane:

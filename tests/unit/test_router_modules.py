@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
-from splitserve.services.router import admin, core, dispatch, intake, migration, peers, queued_ends, warmstart
+from splitserve.services.router import admin, core, direct, dispatch, intake, migration, peers, queued_ends, warmstart
 from splitserve.services.router.service import RouterService
 
 ROUTER = Path(__file__).resolve().parents[2] / "services" / "router"
@@ -20,8 +20,8 @@ def test_no_router_module_is_over_the_bound() -> None:
 
 
 def test_every_part_is_in_the_service_and_every_declared_step_is_provided() -> None:
-    parts = [intake.Intake, dispatch.Dispatch, migration.Migration, queued_ends.QueuedEnds, peers.Peers, admin.Admin,
-             warmstart.IndexFeed]
+    parts = [intake.Intake, direct.DirectDispatch, dispatch.Dispatch, migration.Migration, queued_ends.QueuedEnds,
+             peers.Peers, admin.Admin, warmstart.IndexFeed]
     assert all(issubclass(p, core.RouterCore) for p in parts)
     assert all(p in RouterService.__mro__ for p in parts)
     # the steps core declares for the parts resolve to a part's implementation, not the declaration
