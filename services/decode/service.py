@@ -698,6 +698,9 @@ class DecodeService(Service):
             matched = m.num_tokens
             if m.num_tokens:
                 past, pos = m.kv, m.num_tokens
+                # what load() reports from now on (heartbeats read it meanwhile): the cached prefix costs nothing
+                # (reported whole, it made this decoder look a whole prompt busier to the next request's router)
+                self._admitting_prefill = len(ids) - pos
         end = min(len(ids), pos + chunk) if chunk else len(ids)
         t0 = time.perf_counter()
         res = self.engine.prefill(ids[:end], sampling, past_kv=past, lora=lora)

@@ -285,10 +285,9 @@ class RouterCore(Service):
                             error_code=code, model=req.model if req else None, lora=req.lora if req else None))
 
     async def _track(self, inf: Inflight, req: GenerateRequest, job: DecodeJob) -> None:
-        """Remember the job and follow the request's stream (before the job goes out, so no delta is missed):
-        the tokens the caller has received are what a migration resumes from. Deltas cost the router one
-        more delivery each; heartbeats carrying tokens would be cheaper but lag, and a resume from an older
-        point would send the caller tokens twice. A non-streaming request has no deltas: it restarts."""
+        """Remember the job and follow the request's stream (before the job goes out, so no delta is missed): the
+        tokens the caller has received are what a migration resumes from (heartbeats carrying tokens would lag, and
+        a resume from an older point would send the caller tokens twice). Non-streaming: no deltas, it restarts."""
         inf.request, inf.job = req, job
         if not req.stream:
             return
@@ -311,8 +310,9 @@ class RouterCore(Service):
             return
         if isinstance(msg, StreamDelta):
             inf.delta(msg.seq, msg.token_ids, msg.text)
-        else:
+        else:  # it ended: its load is off its workers now, not when its stored RequestFinished comes back
             inf.started = inf.confirmed = True
+            self.policy.release(inf.key)
 
     def _rate(self, tenant: str, what: str) -> EventRate:
         r = self._rates.get((tenant, what))

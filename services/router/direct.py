@@ -12,6 +12,7 @@ import os
 
 from opentelemetry import trace
 
+from splitserve.obs import tracing
 from splitserve.proto import QueuedRequest, RequestRecord
 from splitserve.services.router.core import RouterCore
 
@@ -43,13 +44,19 @@ class DirectDispatch(RouterCore):
         or acks it at once when the request already ended (``dropped``). Returns False when the claim lost (the
         loop has it)."""
         req = q.request
-        mine = rec.model_copy(update={"state": "dispatched", "owner": self.worker_id, "owner_pid": os.getpid()})
-        new_rev = await self.requests.cas(mine, rev)
-        if new_rev is None:
-            return False
-        self.wq.taken(req, self.models.served(req.model).pool)
-        self._rate(req.tenant, "dispatched").add(self.clock())
-        inf = await self._route(req, list(q.prompt_token_ids), None, sp, record=(mine, new_rev))
+        # the same router.dispatch span as the loop's (under router.request here): every trace has the same hops
+        with tracing.tracer().start_as_current_span("router.dispatch", attributes={
+                "request_id": req.request_id, "tenant": req.tenant, "direct": True, "queue_wait_ms": 0.0,
+                "deliveries": 0}) as dsp:
+            mine = rec.model_copy(update={"state": "dispatched", "owner": self.worker_id, "owner_pid": os.getpid()})
+            new_rev = await self.requests.cas(mine, rev)
+            if new_rev is None:
+                dsp.set_attribute("claimed", False)
+                return False
+            self.wq.taken(req, self.models.served(req.model).pool)
+            self._rate(req.tenant, "dispatched").add(self.clock())
+            dsp.set_attributes(tracing.gen_ai_of(req, self.models.served(req.model).name))
+            inf = await self._route(req, list(q.prompt_token_ids), None, dsp, record=(mine, new_rev))
         if inf is None:  # answered with a terminal error (and settled): its queue message is acked when pulled
             self._drop_queue_message(req.key)
         return True

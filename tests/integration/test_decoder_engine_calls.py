@@ -77,12 +77,24 @@ async def test_a_short_request_takes_two_engine_calls_besides_its_steps(
     task = asyncio.create_task(svc.run())
     try:
         await asyncio.wait_for(ready.wait(), timeout=60)
+        # what the decoder's load reports (its heartbeats, read by the routers) while the prompt computes
+        reported: list[int] = []
+        real_prefill = svc.engine.prefill
+
+        def prefill(*args: Any, **kwargs: Any) -> Any:
+            reported.append(svc._admitting_prefill)
+            return real_prefill(*args, **kwargs)
+
+        svc.engine.prefill = prefill  # type: ignore[method-assign]
         for rid, cached in (("first", False), ("again", True)):
             calls.clear()
             final = await _serve(nc, worker, rid)
             assert final.finish_reason == "length" and len(final.token_ids) == 6
             # the second sees the first's retired blocks: the prefix lookup still runs, inside the prefill's call
             assert (final.usage.cached_tokens > 0) is cached, final.usage
+            # only the uncached part counts as prefill work (the whole prompt made a decoder holding the prefix
+            # look a prompt busier, and the next request's router sent it elsewhere: test_kvaware)
+            assert reported[-1] == len(PROMPT) - final.usage.cached_tokens, reported
             # the first token comes from the prefill, the other five from decode steps
             assert [c for c in calls if c != "step"] == ["_prefill_chunk", "_retire_and_drain"], calls
             assert calls.count("step") == 5
