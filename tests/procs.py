@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +18,22 @@ from splitserve.proto import Heartbeat, Subjects
 from splitserve.stackproc import spawn_service, wait_ready
 
 __all__ = ["spawn_service", "wait_ready"]
+
+
+def log_events(log: str, event: str) -> list[dict[str, object]]:
+    """The JSON records of ``event`` in a service's log text, in order (other lines, and any text before a
+    record's opening brace, skipped)."""
+    out = []
+    for line in log.splitlines():
+        if f'"{event}"' not in line or "{" not in line:
+            continue
+        try:
+            rec = json.loads(line[line.index("{"):])
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("event") == event:
+            out.append(rec)
+    return out
 
 
 def stop(*procs: subprocess.Popen[bytes], timeout: float = 15.0) -> None:

@@ -15,7 +15,6 @@ generations and queues more; then ``urgent`` (class 0) sends a request.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import time
@@ -27,7 +26,7 @@ import pytest
 
 from splitserve.client import Client, Delta, Generation, Result
 from splitserve.natsserver import start_nats
-from tests.procs import spawn_service, stop, wait_ready
+from tests.procs import log_events, spawn_service, stop, wait_ready
 
 pytestmark = pytest.mark.slow
 
@@ -126,17 +125,7 @@ async def _flood_then_urgent(stack: Stack) -> tuple[list[tuple[str, int, list[De
 
 
 def _preempted(log: str) -> list[dict[str, object]]:
-    out = []
-    for line in log.splitlines():
-        if '"preempted"' in line:
-            with_json = line[line.index("{"):] if "{" in line else line
-            try:
-                ev = json.loads(with_json)
-            except ValueError:
-                continue
-            if ev.get("event") == "preempted":
-                out.append(ev)
-    return out
+    return log_events(log, "preempted")
 
 
 async def test_urgent_preempts_burst_funded_bulk_and_nothing_is_lost(

@@ -8,7 +8,6 @@ as before, and every request ends once.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 
@@ -18,21 +17,13 @@ import pytest
 from splitserve.client import Client
 from splitserve.natsserver import NatsServer
 from splitserve.proto import Subjects
-from tests.procs import spawn_service, stop, wait_ready
+from tests.procs import log_events, spawn_service, stop, wait_ready
 
 pytestmark = pytest.mark.slow
 
 
 def _queued_lines(log: Path) -> list[dict[str, object]]:
-    out = []
-    for line in log.read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if rec.get("event") == "queued":
-            out.append(rec)
-    return out
+    return log_events(log.read_text(errors="replace"), "queued")
 
 
 async def _queue_messages(url: str) -> int:
