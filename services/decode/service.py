@@ -658,15 +658,13 @@ class DecodeService(Service):
         the GIL's hand-overs), which was most of what a short request cost a decoder."""
         past, cached = None, 0
         pos, compute_s, chunks = 0, 0.0, 0
-        first_call = True
         while True:
             self._admitting_prefill = len(ids) - pos  # what load() reports: a cached prefix costs nothing
             chunk = self.prefill_chunk if self.active and self.prefill_chunk > 0 else 0
             res, end, step_s, matched = await self.thread.run(
-                self._prefill_chunk, ids, pos, chunk, sampling, past, lora, add_key, cache_salt, first_call)
+                self._prefill_chunk, ids, pos, chunk, sampling, past, lora, add_key, cache_salt, chunks == 0)
             if matched is not None:
                 cached = matched
-            first_call = False
             compute_s += step_s
             chunks += 1
             if end >= len(ids):
@@ -719,7 +717,7 @@ class DecodeService(Service):
     def _retire_and_drain(self, key: str, tokens: list[int], keep: bool, cache_salt: str | None) -> list[KvEvent]:
         """Engine thread: :meth:`_retire`, then the prefix cache's pending KV events (none without a cache)."""
         self._retire(key, tokens, keep, cache_salt)
-        return self.kv_events.store.drain_events() if self.kv_events is not None else []
+        return self.store.drain_events() if self.store is not None else []
 
     def _max_new(self, job: DecodeJob) -> int:
         # Cap at the model's context: one sequence at the limit would stop the whole batch (ContextFull). A

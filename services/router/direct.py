@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 
-from opentelemetry import trace
-
 from splitserve.obs import tracing
 from splitserve.proto import QueuedRequest, RequestRecord
 from splitserve.services.router.core import RouterCore
@@ -31,19 +29,21 @@ class DirectDispatch(RouterCore):
         queue message and find the request held), not draining."""
         if self.draining or self.contracts_on:
             return False
+        # cheapest first: under load the slots are taken, and the lanes are not scanned at all
         now = self.clock()
+        if self.free_slots(now, model) <= self._direct_pending:
+            return False
         if any(hb.worker_id != self.worker_id for hb in self.registry.live("router", now)):
             return False
-        if any(n > 0 for n in self.wq.pending_by_tenant(pool).values()):
-            return False
-        return self.free_slots(now, model) > self._direct_pending
+        return pool not in self.wq.pools_waiting()
 
-    async def _dispatch_direct(self, q: QueuedRequest, sp: trace.Span, rec: RequestRecord, rev: int) -> bool:
+    async def _dispatch_direct(self, q: QueuedRequest, rec: RequestRecord, rev: int) -> bool:
         """Claim and route a request intake has just stored (its key in ``_claiming``), as the dispatch loop would
         on pulling it. Its queue message stays in the queue: the loop pulls it later and attaches it to the flight,
         or acks it at once when the request already ended (``dropped``). Returns False when the claim lost (the
         loop has it)."""
         req = q.request
+        served = self.models.served(req.model)
         # the same router.dispatch span as the loop's (under router.request here): every trace has the same hops
         with tracing.tracer().start_as_current_span("router.dispatch", attributes={
                 "request_id": req.request_id, "tenant": req.tenant, "direct": True, "queue_wait_ms": 0.0,
@@ -53,9 +53,9 @@ class DirectDispatch(RouterCore):
             if new_rev is None:
                 dsp.set_attribute("claimed", False)
                 return False
-            self.wq.taken(req, self.models.served(req.model).pool)
+            self.wq.taken(req, served.pool)
             self._rate(req.tenant, "dispatched").add(self.clock())
-            dsp.set_attributes(tracing.gen_ai_of(req, self.models.served(req.model).name))
+            dsp.set_attributes(tracing.gen_ai_of(req, served.name))
             inf = await self._route(req, list(q.prompt_token_ids), None, dsp, record=(mine, new_rev))
         if inf is None:  # answered with a terminal error (and settled): its queue message is acked when pulled
             self._drop_queue_message(req.key)

@@ -346,7 +346,7 @@ class Intake(SloGate, DirectDispatch):
         dispatched = False
         if direct:
             try:
-                dispatched = await self._dispatch_direct(q, sp, rec, rev)
+                dispatched = await self._dispatch_direct(q, rec, rev)
             except Exception as exc:  # stored all the same: the loop pulls it, and claims or recovers it
                 self.log.warning("direct_dispatch_failed", request_id=rid, error=str(exc))
         if not dispatched:

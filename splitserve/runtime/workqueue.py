@@ -41,6 +41,7 @@ from nats.js.errors import NotFoundError
 from splitserve import proto
 from splitserve.obs import tracing
 from splitserve.proto import GenerateRequest, QueuedRequest, Subjects
+from splitserve.runtime import natsnext
 from splitserve.runtime.bus import Bus
 from splitserve.runtime.jetstream import ensure_stream, replicas_for
 
@@ -64,9 +65,8 @@ async def pull_now(sub: JetStreamContext.PullSubscription, want: int) -> list[Ms
     inner = sub._sub
     assert inner is not None
     msgs: list[Msg] = []
-    queue = inner._pending_queue
-    while not queue.empty() and len(msgs) < want:  # delivered by an earlier pull after it gave up waiting
-        m = queue.get_nowait()
+    while not inner._pending_queue.empty() and len(msgs) < want:  # delivered by an earlier pull after it gave up
+        m = await natsnext.next_msg(inner, PULL_TIMEOUT_S)  # (buffered: at once)
         if not JetStreamContext.is_status_msg(m):
             msgs.append(m)
     if len(msgs) >= want:
@@ -76,7 +76,7 @@ async def pull_now(sub: JetStreamContext.PullSubscription, want: int) -> list[Ms
     deadline = time.monotonic() + PULL_TIMEOUT_S
     while len(msgs) < want:
         try:
-            m = await inner.next_msg(timeout=max(0.01, deadline - time.monotonic()))
+            m = await natsnext.next_msg(inner, max(0.01, deadline - time.monotonic()))
         except (NatsTimeout, TimeoutError):
             break
         status = JetStreamContext.is_status_msg(m)
