@@ -355,7 +355,12 @@ class Dispatch(RouterCore):
         tracing.set_attrs(sp, prompt_tokens=len(ids), route=str(route.value), decoder=decision.decoder,
                           prefiller=decision.prefiller, decision_json=ddict)
         tracing.set_attrs(sp, "decision.", **{k: v for k, v in ddict.items() if k != "request_id"})
-        log.info("routed", decision=ddict, prompt_tokens=len(ids))
+        # The log line says where and why; the whole decision (every candidate's score, the thresholds) is on the
+        # span above and in the request's final message (a kilobyte and more per request, rendered and written
+        # again here, was the largest part of the stack's log volume).
+        log.info("routed", strategy=decision.strategy, route=str(route.value), decoder=decision.decoder,
+                 prefiller=decision.prefiller, reason=decision.reason, prompt_tokens=len(ids),
+                 cached_tokens=decision.cached_tokens)
         await self._track(inf, req, job)
         await self._send_job(inf, route, decision.decoder, decision.prefiller, job)
         return inf

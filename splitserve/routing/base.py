@@ -174,7 +174,8 @@ class Selection:
 
 @dataclass(slots=True)
 class Decision:
-    """Everything about one routing decision; ``to_dict`` is what goes into logs and trace attributes."""
+    """Everything about one routing decision; ``to_dict`` is what goes into trace attributes and the request's
+    final message (the router's ``routed`` log line has its summary)."""
 
     request_id: str
     strategy: str
