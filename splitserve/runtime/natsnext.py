@@ -91,7 +91,9 @@ async def subscribe_inline(nc: NATS, subject: str, handler: Callable[[Msg], None
     inline = _Inline(handler)
     sub = await nc.subscribe(subject)
     inline._sub = sub
-    sub._pending_queue = inline  # type: ignore[assignment]
+    early, sub._pending_queue = sub._pending_queue, inline  # type: ignore[assignment]
     if sub._message_iterator is not None:
         sub._message_iterator._queue = inline  # type: ignore[assignment]
+    while not early.empty():  # anything the read loop queued while subscribe() awaited, in order
+        inline.put_nowait(early.get_nowait())
     return sub
