@@ -43,7 +43,6 @@ from splitserve.routing import Decision, WorkerView
 from splitserve.routing.book import RECENT_ENDS_KEPT, Flight, RequestBook
 from splitserve.routing.live import live_disagg, view_from_load
 from splitserve.routing.policies import PolicySet
-from splitserve.runtime import natsnext
 from splitserve.runtime.registry import WorkerRegistry
 from splitserve.runtime.service import Service
 from splitserve.runtime.workqueue import WorkQueue
@@ -293,12 +292,13 @@ class RouterCore(Service):
         if not req.stream:
             return
         rid, key = req.request_id, req.key
-        def on_msg(raw: Msg) -> None:  # in the connection's read loop (natsnext.subscribe_inline): quick, no I/O
+
+        async def on_msg(raw: Msg) -> None:
             if self.inflight.get(key) is inf:
                 self._on_stream(inf, raw.data)
 
         try:
-            inf.sub = await natsnext.subscribe_inline(self.b.nc, req.stream_subject, on_msg)
+            inf.sub = await self.b.nc.subscribe(req.stream_subject, cb=on_msg)
         except Exception as exc:  # not fatal: the request just cannot be moved
             inf.tracked = False
             self.log.warning("stream_follow_failed", request_id=rid, error=str(exc))
