@@ -52,7 +52,7 @@ from bench.stats import cpu_seconds, summary
 PEERS_VENV = Path(os.environ.get("SPLITSERVE_PEERS_VENV", "/tmp/splitserve-peers"))
 PEER_PINS = ("vllm-router==0.1.17", "sglang-router==0.3.2")
 MODEL = "mock-peer"
-TARGETS = ("direct", "vllm-rr", "vllm-ca", "sglang-ca", "splitserve")
+TARGETS = ("direct", "vllm-rr", "vllm-ca", "sglang-ca", "floor-1hop", "floor-2hop", "splitserve")
 
 
 # ------------------------------------------------------------------------------------- zero-cost worker
@@ -302,6 +302,8 @@ def run_target(target: str, args: argparse.Namespace, logs: Path, workers: list[
             wait_http(url, procs[-1], path="/health")
             time.sleep(1.0)  # the router's first health checks of the workers
             return asyncio.run(measure(target, [url], MODEL, args))
+        if target in ("floor-1hop", "floor-2hop"):
+            return run_floor(target, args, logs)
         if target == "splitserve":
             from splitserve.natsserver import start_nats
             from splitserve.stackproc import start_stack
@@ -337,6 +339,55 @@ def run_target(target: str, args: argparse.Namespace, logs: Path, workers: list[
     finally:
         for p in procs:
             p.stop()
+
+
+def wait_line(proc: Proc, line: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited (rc {proc.popen.returncode}):\n{proc.tail()}")
+        if line in proc.tail():
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{proc.name} did not print {line!r} within {timeout:.0f}s:\n{proc.tail()}")
+
+
+def run_floor(target: str, args: argparse.Namespace, logs: Path) -> Result:
+    """The design's floor (bench/floor.py): its processes on their own nats-server; CPU per request of each."""
+    from splitserve.natsserver import start_nats
+
+    hops = 1 if target == "floor-1hop" else 2
+    nats = start_nats(logs / f"nats-{target}")
+    procs: list[Proc] = []
+    try:
+        base = [sys.executable, "-m", "bench.floor"]
+        for i in range(args.workers):
+            procs.append(spawn(f"{target}-worker-{i}", [*base, "worker", "--nats-url", nats.url, "--index", str(i),
+                                                         "--hops", str(hops)], logs))
+        if hops == 2:
+            procs.append(spawn(f"{target}-router", [*base, "router", "--nats-url", nats.url, "--workers",
+                                                     str(args.workers)], logs))
+        for p in procs:
+            wait_line(p, "ready")
+        port = free_port()
+        procs.append(spawn(f"{target}-front", [*base, "front", "--nats-url", nats.url, "--port", str(port),
+                                                "--hops", str(hops)], logs))
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url, procs[-1])
+        groups: dict[str, list[int]] = {}
+        for p in procs:  # by kind: front, router, worker
+            groups.setdefault(p.name.removeprefix(f"{target}-").split("-")[0], []).append(p.popen.pid)
+        groups["nats"] = [nats.proc.pid]
+        cpu0 = cpu_seconds(groups)
+        res = asyncio.run(measure(target, [url], "floor", args))
+        cpu1 = cpu_seconds(groups)
+        n = 20 + args.ttft_requests + args.requests * len(args.concurrency)
+        res.cpu_us_per_request = {k: round((cpu1[k] - cpu0[k]) / n * 1e6) for k in sorted(cpu1)}
+        return res
+    finally:
+        for p in procs:
+            p.stop()
+        nats.stop()
 
 
 def _stack_processes(up_pid: int, nats_pid: int) -> dict[str, list[int]]:

@@ -202,6 +202,9 @@ class PrefillService(Service):
 
     async def setup(self) -> None:
         self.engine = await self.thread.run(self.opts.load)
+        self.thread.inline = not self.engine.blocking  # a zero-cost engine: no thread hand-offs (engine_thread)
+        self.log.info("engine_loaded", model=self.engine.info.name,
+                      engine_calls="inline" if self.thread.inline else "thread")
         self.adapters = AdapterSlots(self.opts.lora_modules, self.opts.max_loras, self.thread.run)
         self.adapters.started(self.engine.loras())
         info = self.engine.info

@@ -223,6 +223,10 @@ class Engine(ABC):
     """
 
     info: ModelInfo
+    # Whether a call can hold its thread for long (computing, or sleeping for compute time): the services then
+    # run it on their engine thread, off the event loop. Only an engine whose calls return at once (a zero-cost
+    # mock) says False, and its calls run inline (services.common.engine_thread).
+    blocking: bool = True
 
     # -- tokenizer ------------------------------------------------------------------------------------------
     @abstractmethod

@@ -11,7 +11,9 @@ real KV tensors (so the KV transports move real bytes), and sleeps instead of fo
 
 They are loader options, also read from ``SPLITSERVE_MOCK_STEP_MS``, ``SPLITSERVE_MOCK_STEP_MS_PER_SEQ`` and
 ``SPLITSERVE_MOCK_PREFILL_TPS`` so that ``splitserve up --engine mock`` and the services can be tuned without new
-flags (0 disables a sleep).
+flags (0 disables a sleep). With no sleep left (step times 0, prefill 0 or at least ``ZERO_COST_TPS``, no adapter
+load time) the engine is zero-cost: ``blocking`` is False and the services call it inline, not on their engine
+thread.
 
 Output: the token at position p is a pure function of (token at p - 1, p, sampling seed), drawn from the
 largest run of ordinary ids in the vocabulary, so it never emits EOS or a special token (sequences finish by
@@ -67,6 +69,9 @@ PREFILL_TPS_ENV = "SPLITSERVE_MOCK_PREFILL_TPS"
 LORA_LOAD_MS_ENV = "SPLITSERVE_MOCK_LORA_LOAD_MS"
 DEFAULT_STEP_MS = 5.0
 DEFAULT_PREFILL_TPS = 50_000.0
+# A prefill rate at or above this is no prefill time at all (a 100,000-token prompt: under 100 us): no sleep, which
+# would cost more than that itself (a sleep's timer slack alone is ~50 us)
+ZERO_COST_TPS = 1e9
 DEFAULT_MAX_MODEL_LEN = 8192
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MASK64 = (1 << 64) - 1
@@ -194,6 +199,13 @@ class MockEngine(HfTokenizerMixin, Engine):
         self._step_lp: dict[str, TokenLogprobs] = {}
         self._loras: dict[str, Path] = {}
 
+    @property
+    def blocking(self) -> bool:  # type: ignore[override]
+        """False when nothing here sleeps: no step time, no prefill time worth a sleep (at ``ZERO_COST_TPS`` or
+        more), no adapter load time. Its calls then run inline on the services' event loop."""
+        return (self.step_ms > 0 or self.step_ms_per_seq > 0 or 0 < self.prefill_tokens_per_s < ZERO_COST_TPS
+                or _knob(None, LORA_LOAD_MS_ENV, 0.0) > 0)
+
     @classmethod
     def load(
         cls,
@@ -305,7 +317,7 @@ class MockEngine(HfTokenizerMixin, Engine):
             out[:, :, :, :reused] = past_kv[:, :, :, :reused]
         out[:, :, :, reused:] = mock_kv(ids[reused:], self.info, start=reused)
         computed = len(ids) - reused
-        if self.prefill_tokens_per_s > 0:
+        if 0 < self.prefill_tokens_per_s < ZERO_COST_TPS:
             time.sleep(computed / self.prefill_tokens_per_s)
         if on_layer is not None:
             for layer in range(self.info.num_layers):

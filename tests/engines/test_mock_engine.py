@@ -12,10 +12,12 @@ import torch
 
 from splitserve.engines import Engine, Sampling, load_engine
 from splitserve.engines.mock import (
+    LORA_LOAD_MS_ENV,
     PREFILL_TPS_ENV,
     STEP_MS_ENV,
     STEP_MS_PER_SEQ_ENV,
     WARNING,
+    ZERO_COST_TPS,
     MockEngine,
     mock_kv,
 )
@@ -177,3 +179,25 @@ def test_knobs_from_the_environment(mock: MockEngine, monkeypatch: pytest.Monkey
     monkeypatch.setenv(STEP_MS_ENV, "-1")
     with pytest.raises(ValueError, match="step_ms must be >= 0"):
         MockEngine(mock.tokenizer)
+
+
+def test_only_a_mock_with_no_sleep_left_runs_inline(mock: MockEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``blocking`` decides whether the services call the engine on their engine thread: a mock that sleeps for
+    any compute time does (it would stall the event loop), a zero-cost one does not."""
+    tok = mock.tokenizer
+    assert MockEngine(tok, step_ms=0, prefill_tokens_per_s=0).blocking is False
+    assert MockEngine(tok, step_ms=0, prefill_tokens_per_s=ZERO_COST_TPS).blocking is False  # bench.peers' 1e12 too
+    assert MockEngine(tok).blocking is True  # the defaults: 5 ms steps, 50,000 tokens/s
+    assert MockEngine(tok, step_ms=0.5, prefill_tokens_per_s=0).blocking is True
+    assert MockEngine(tok, step_ms=0, step_ms_per_seq=0.1, prefill_tokens_per_s=0).blocking is True
+    assert MockEngine(tok, step_ms=0, prefill_tokens_per_s=1e6).blocking is True
+    monkeypatch.setenv(LORA_LOAD_MS_ENV, "20")
+    assert MockEngine(tok, step_ms=0, prefill_tokens_per_s=0).blocking is True
+    # a prefill at the zero-cost rate does not sleep (a sleep's timer slack alone would cost more than it)
+    fast = MockEngine(tok, step_ms=0, prefill_tokens_per_s=ZERO_COST_TPS)
+    sleeps: list[float] = []
+    monkeypatch.setattr(time, "sleep", sleeps.append)
+    fast.prefill(list(range(100, 400)), GREEDY)
+    assert sleeps == []
+    MockEngine(tok, step_ms=0, prefill_tokens_per_s=1e6).prefill(list(range(100, 400)), GREEDY)
+    assert sleeps == [pytest.approx(300 / 1e6)]

@@ -21,11 +21,15 @@ REQUESTS = 20
 MAX_TOKENS = 24
 
 
+# "0": a zero-cost engine (bench.peers' workers), whose calls the decoder makes inline, not on its engine thread
+@pytest.mark.parametrize("step_ms", ["2", "0"])
 async def test_concurrent_requests_through_a_stack_of_mocks(nats_server: NatsServer, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+                                                            monkeypatch: pytest.MonkeyPatch, step_ms: str) -> None:
     url, logs = nats_server.url, tmp_path / "logs"
     with monkeypatch.context() as env:
-        env.setenv("SPLITSERVE_MOCK_STEP_MS", "2")  # the children inherit it; the mock reads it at load
+        env.setenv("SPLITSERVE_MOCK_STEP_MS", step_ms)  # the children inherit it; the mock reads it at load
+        if step_ms == "0":
+            env.setenv("SPLITSERVE_MOCK_PREFILL_TPS", "0")
         # every prompt is prefilled on the decoder (no prefill pool needed), dispatched directly: this is about
         # the engine behind real services, the JetStream queue has its own tests
         procs = [spawn_service("splitserve.services.router", "--disagg-threshold", "1000000000", "--no-queue",
@@ -36,6 +40,8 @@ async def test_concurrent_requests_through_a_stack_of_mocks(nats_server: NatsSer
     try:
         await wait_ready(url, ["router-m", "decode-m"], timeout=120)
         hb = await heartbeat_of(url, "decode-m")
+        calls = "inline" if step_ms == "0" else "thread"
+        assert f'"engine_calls": "{calls}"' in (logs / "decode-m.log").read_text()
         assert str(hb.model_dump()).count("mock-SmolLM2") >= 1  # it tells the cluster it is a mock
         nc = await nats.connect(url)
         finished: list[RequestFinished] = []
