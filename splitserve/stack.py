@@ -32,7 +32,7 @@ from splitserve import discovery
 from splitserve.cpus import parse_cpus
 from splitserve.listener import bind_listener
 from splitserve.natsserver import NatsCluster, NatsServer, child_preexec, free_port, start_nats, start_nats_cluster
-from splitserve.obs.log import QUIET_ENV, private_dir, private_opener
+from splitserve.obs.log import ENV_LOG_FILE, QUIET_ENV, private_dir, private_opener
 from splitserve.proto import Heartbeat, Subjects
 from splitserve.runtime.bus import Bus
 from splitserve.runtime.jetstream import CLUSTER_REPLICAS, ENV_REPLICAS
@@ -441,11 +441,13 @@ class Stack:
 
     def _spawn(self, ch: Child) -> None:
         private_dir(ch.log.parent)
-        # the child's output reaches its log through log_pump (every line JSON)
+        # The child appends its JSON log lines to its log itself (ENV_LOG_FILE); what else reaches its stdout
+        # or stderr (a native library's output, a crash's dump) is copied in by log_pump, every line JSON.
         # JSON logs only: progress bars off and library verbosity routed through logging from the start
         env = {**QUIET_ENV, **os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1"}
         env.update(ch.env)
+        env[ENV_LOG_FILE] = str(ch.log)
         if self.nats_cluster is not None:
             # Every stream, bucket and object store as many copies as the cluster allows (R3 from 3 nodes),
             # decided here once rather than by each service from the nodes alive when it connects.

@@ -8,7 +8,8 @@ Graceful drain (SIGTERM/SIGINT): heartbeats say ``draining`` at once (routers st
 ``ready`` workers are routed to), ``drain`` finishes what the service holds, bounded by ``drain_timeout_s``;
 whatever is still held then is let go by ``hand_over`` without a terminal message, and the ``stopped``
 heartbeat that follows tells the routers to move those requests elsewhere (request migration). A second
-signal skips what is left of the drain.
+signal skips what is left of the drain. A service whose supervisor died (its parent changed) skips the drain at
+once, and whatever a stop waits on, the process ends ``STOP_GRACE_S`` after the drain bound.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import gc
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +32,10 @@ from splitserve.proto import Heartbeat, Subjects, WorkerLoad
 from splitserve.runtime.bus import Bus
 from splitserve.tenancy import natsauth
 from splitserve.tenancy.natsauth import ENV_NKEY_SEED, ENV_PASSWORD, ENV_USER
+
+# After the first stop signal, the drain bound plus this, a service still running exits (os._exit) whatever it waits on
+STOP_GRACE_S = 20.0
+STOP_DEADLINE_EXIT = 3
 
 
 class Service:
@@ -50,6 +56,8 @@ class Service:
         self._state = "starting"
         self._hb_seq = 0
         self.started_at = time.time()
+        self._parent = os.getppid()  # the supervisor (splitserve up), an init process, a shell: see request_stop
+        self._deadline: threading.Timer | None = None
 
     # --- to override -----------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -99,7 +107,30 @@ class Service:
     def request_stop(self) -> None:
         if self._stop.is_set():
             self._stop_now.set()  # a second signal: stop draining
+        elif os.getppid() != self._parent:
+            # Orphaned: the supervisor died (its PR_SET_PDEATHSIG sent this SIGTERM; splitserve.natsserver.
+            # child_preexec) and nobody waits for a drain, which could last the whole drain bound with NATS gone
+            # too. Stop at once; a supervisor stopping its children is still there, and they drain.
+            self.log.warning("supervisor_gone", parent_pid=self._parent)
+            self._stop_now.set()
+        if not self._stop.is_set():
+            self._arm_stop_deadline()
         self._stop.set()
+
+    def _arm_stop_deadline(self) -> None:
+        """Whatever a stop waits on (a drain, a NATS server that is gone, a library's thread), the process ends
+        within ``drain_timeout_s + STOP_GRACE_S`` of the first signal: a service that cannot stop would hold its
+        ports and its share of the machine for ever."""
+        limit = self.drain_timeout_s + STOP_GRACE_S
+
+        def expire() -> None:
+            with contextlib.suppress(Exception):
+                self.log.error("stop_deadline_exceeded", seconds=limit)
+            os._exit(STOP_DEADLINE_EXIT)
+
+        self._deadline = threading.Timer(limit, expire)
+        self._deadline.daemon = True
+        self._deadline.start()
 
     @property
     def draining(self) -> bool:
@@ -198,6 +229,8 @@ class Service:
                 await flush_tracing(2.0)
             await self.b.close()
             structlog.contextvars.clear_contextvars()
+            if self._deadline is not None:  # stopped in time (in a test's or a benchmark's process: it goes on)
+                self._deadline.cancel()
 
 
 ENV_EVENT_LOOP = "SPLITSERVE_EVENT_LOOP"

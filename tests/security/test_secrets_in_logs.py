@@ -187,6 +187,27 @@ def test_front_door_api_key_stays_out_of_its_log(auth_nats: NatsServer, tmp_path
 # ------------------------------------------------------------------------------------------ file modes
 
 
+def test_a_service_given_a_log_file_appends_to_it_owner_only(tmp_path: Path) -> None:
+    """Under the supervisor a service appends its JSON lines to its log itself (SPLITSERVE_LOG_FILE): the same
+    events, masked the same way, one whole line per write beside another writer's lines, the file created 0600;
+    nothing of them on its stdout or stderr (which the supervisor's pipe keeps for a native library's output)."""
+    pw = "pw-" + secrets.token_hex(16)
+    path = tmp_path / "probe.log"
+    path.write_text('{"event": "already here"}\n')
+    os.chmod(path, 0o644)
+    proc = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env={**_env(pw), "SPLITSERVE_LOG_FILE": str(path)},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0  # the last connect() is uncaught
+    assert proc.stdout.strip() == "" and proc.stderr.strip() == "", proc.stdout + proc.stderr
+    text = path.read_text()
+    events = {e["event"]: e for e in _events(text)}  # every line one JSON object
+    assert {"already here", "structlog_failure", "plain_event", "uncaught_exception"} <= set(events), text
+    assert any(name.startswith("stdlib_failure") for name in events), text
+    assert pw not in text
+    assert events["plain_event"]["service"] == "probe"
+    assert _mode(path) == 0o600
+
+
 def _mode(p: Path) -> int:
     return stat.S_IMODE(p.stat().st_mode)
 
