@@ -133,3 +133,36 @@ async def test_disaggregated_costs_sum_to_the_prefiller_and_decoder_busy_seconds
         assert all(c.transfer_s >= 0 and c.prefill_s > 0 for c in costs)
     finally:
         stop(*procs)
+
+
+@pytest.mark.slow
+async def test_a_zero_cost_stack_disaggregates_inline_with_layerwise_pushes(
+        nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no step and no prefill time (bench.peers' workers) the prefiller and the decoder call the engine on
+    their event loops (engine_calls: inline): long prompts still go through a prefiller, their KV pushed layer by
+    layer as each is computed (services.prefill: the push is scheduled from the engine call onto the same loop),
+    and every request gets the tokens a second run of it gets."""
+    url, logs = nats_server.url, tmp_path / "logs"
+    with monkeypatch.context() as env:
+        env.setenv("SPLITSERVE_MOCK_STEP_MS", "0")
+        env.setenv("SPLITSERVE_MOCK_PREFILL_TPS", "0")
+        procs = [spawn_service("splitserve.services.router", "--disagg-threshold", "0", "--no-queue",
+                               nats_url=url, worker_id="router-z", log_dir=logs),
+                 spawn_service("splitserve.services.prefill", "--engine", "mock", "--transport", "tcp",
+                               nats_url=url, worker_id="prefill-z", log_dir=logs),
+                 spawn_service("splitserve.services.decode", "--engine", "mock", "--transport", "tcp",
+                               nats_url=url, worker_id="decode-z", log_dir=logs)]
+    try:
+        await wait_ready(url, ["router-z", "prefill-z", "decode-z"], timeout=120)
+        prompts = [f"request {i}: " + "the tides and the moon " * (40 + 150 * (i % 3)) for i in range(9)]
+        async with Client(url, tenant="zero") as client:
+            results = await asyncio.gather(*(client.complete(p, max_tokens=12) for p in prompts))
+            again = [await client.complete(p, max_tokens=12) for p in prompts[:3]]
+        assert all(r.route == "disaggregated" and r.prefill_worker == "prefill-z" for r in results)
+        assert all(r.finish_reason == "length" and len(r.token_ids) == 12 for r in results)
+        assert max(r.usage.prompt_tokens for r in results) >= 2 * 256  # pushed layer by layer (LAYERWISE_MIN_TOKENS)
+        assert [r.token_ids for r in again] == [r.token_ids for r in results[:3]]
+        for name in ("prefill-z", "decode-z"):
+            assert '"engine_calls": "inline"' in (logs / f"{name}.log").read_text()
+    finally:
+        stop(*procs)
