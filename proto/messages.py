@@ -762,9 +762,7 @@ class RequestRecord(Message, TenantRequest):
     Created (create-only) at intake, so a tenant's request id is accepted once across every router; moved by
     compare-and-set on its revision: ``queued`` -> ``dispatched`` (exactly one router wins the dispatch) ->
     ``ended`` (exactly one router settles its quota and acks it). A request cancelled or expired while queued
-    goes ``queued`` -> ``ended`` by the same compare-and-set, so it can never also be dispatched. The queue's
-    fast path (intake dispatches at once) creates it ``dispatched`` by that router, and its queue message carries
-    no revision: a router pulling it later reads it and recovers it, never claims it blind."""
+    goes ``queued`` -> ``ended`` by the same compare-and-set, so it can never also be dispatched."""
 
     kind: Literal["request_record"] = "request_record"
     request_id: str

@@ -1,13 +1,14 @@
 """The durable queue's fast path: a request intake has just stored is claimed and routed at once when nothing
 waits in its model's lanes and one of its decoders has a free slot, instead of when the dispatch loop pulls it
-(a loop wake-up and a pull's round trip less before its first token). Intake creates its registry record already
-claimed by this router (no compare-and-set after). Accepted still means stored: the request is in the queue
-before its caller hears Accepted, and its queue message stays there; the loop pulls it later and
+(a loop wake-up and a pull's round trip less before its first token). Accepted still means stored: the request is
+in the queue before its caller hears Accepted, and its queue message stays there; the loop pulls it later and
 attaches it to the flight (kept alive, acked at the end), or acks it at once when the request already ended.
 Only with no other live router, so no other dispatch loop pulls that message while the request runs here.
 """
 
 from __future__ import annotations
+
+import os
 
 from splitserve.obs import tracing
 from splitserve.proto import QueuedRequest, RequestRecord
@@ -36,20 +37,26 @@ class DirectDispatch(RouterCore):
             return False
         return pool not in self.wq.pools_waiting()
 
-    async def _dispatch_direct(self, q: QueuedRequest, rec: RequestRecord, rev: int) -> None:
-        """Route a request intake has just stored, its record created already claimed by this router (``rev``
-        its revision; its key in ``_claiming``), as the dispatch loop would on pulling and claiming it. Its queue
-        message stays in the queue: the loop pulls it later and attaches it to the flight, or acks it at once
-        when the request already ended (``dropped``)."""
+    async def _dispatch_direct(self, q: QueuedRequest, rec: RequestRecord, rev: int) -> bool:
+        """Claim and route a request intake has just stored (its key in ``_claiming``), as the dispatch loop would
+        on pulling it. Its queue message stays in the queue: the loop pulls it later and attaches it to the flight,
+        or acks it at once when the request already ended (``dropped``). Returns False when the claim lost (the
+        loop has it)."""
         req = q.request
         served = self.models.served(req.model)
         # the same router.dispatch span as the loop's (under router.request here): every trace has the same hops
         with tracing.tracer().start_as_current_span("router.dispatch", attributes={
                 "request_id": req.request_id, "tenant": req.tenant, "direct": True, "queue_wait_ms": 0.0,
                 "deliveries": 0}) as dsp:
+            mine = rec.model_copy(update={"state": "dispatched", "owner": self.worker_id, "owner_pid": os.getpid()})
+            new_rev = await self.requests.cas(mine, rev)
+            if new_rev is None:
+                dsp.set_attribute("claimed", False)
+                return False
             self.wq.taken(req, served.pool)
             self._rate(req.tenant, "dispatched").add(self.clock())
             dsp.set_attributes(tracing.gen_ai_of(req, served.name))
-            inf = await self._route(req, list(q.prompt_token_ids), None, dsp, record=(rec, rev))
+            inf = await self._route(req, list(q.prompt_token_ids), None, dsp, record=(mine, new_rev))
         if inf is None:  # answered with a terminal error (and settled): its queue message is acked when pulled
             self._drop_queue_message(req.key)
+        return True

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
-import os
 
 import structlog
 from nats.aio.msg import Msg
@@ -308,15 +307,9 @@ class Intake(SloGate, DirectDispatch):
     async def _store_and_accept(self, req: GenerateRequest, msg: Msg, sp: trace.Span, ids: list[int], queued: int,
                                 pool: str, reserved: bool, direct: bool) -> None:
         rid, tenant = req.request_id, req.tenant
-        # The fast path's record is created claimed by this router (dispatched, this process its owner): a
-        # compare-and-set's round trip less than queued-then-claimed. Its queue message then carries no revision,
-        # so a router that pulls it after this one died reads the record and recovers it (finished, adopted from
-        # a worker, or run again) rather than claiming it blind.
-        rec = RequestRecord(request_id=rid, tenant=tenant, state="dispatched" if direct else "queued",
-                            stream_subject=req.stream_subject, prompt_tokens=len(ids),
-                            max_tokens=req.sampling.max_tokens, deadline_ms=req.deadline_ms,
-                            accepted_by=self.worker_id, owner=self.worker_id if direct else None,
-                            owner_pid=os.getpid() if direct else None)
+        rec = RequestRecord(request_id=rid, tenant=tenant, state="queued", stream_subject=req.stream_subject,
+                            prompt_tokens=len(ids), max_tokens=req.sampling.max_tokens,
+                            deadline_ms=req.deadline_ms, accepted_by=self.worker_id)
         try:
             rev = await self.requests.create(rec)
         except Exception as exc:
@@ -329,8 +322,7 @@ class Intake(SloGate, DirectDispatch):
             await self._unreserve(tenant, rid, reserved)
             await self._reattach(req, msg, ids, pool)
             return
-        q = QueuedRequest(request=req, prompt_token_ids=ids, router_id=self.worker_id,
-                          record_revision=None if direct else rev)
+        q = QueuedRequest(request=req, prompt_token_ids=ids, router_id=self.worker_id, record_revision=rev)
         try:
             await self.wq.enqueue(q, pool)
         except Exception as exc:
@@ -351,13 +343,14 @@ class Intake(SloGate, DirectDispatch):
         self.log.info("queued", request_id=rid, tenant=tenant, prompt_tokens=len(ids), queued_ahead=queued,
                       direct=direct)
         await self.b.respond(msg, Accepted(request_id=rid, router_id=self.worker_id, prompt_tokens=len(ids)))
+        dispatched = False
         if direct:
             try:
-                await self._dispatch_direct(q, rec, rev)
-                return
-            except Exception as exc:  # stored all the same: the loop pulls it and recovers it
+                dispatched = await self._dispatch_direct(q, rec, rev)
+            except Exception as exc:  # stored all the same: the loop pulls it, and claims or recovers it
                 self.log.warning("direct_dispatch_failed", request_id=rid, error=str(exc))
-        self._dispatch_wake.set()
+        if not dispatched:
+            self._dispatch_wake.set()
 
     async def _unreserve(self, tenant: str, rid: str, reserved: bool) -> None:
         if reserved:

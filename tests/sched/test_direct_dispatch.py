@@ -34,15 +34,6 @@ async def _queue_messages(url: str) -> int:
         await nc.close()
 
 
-async def _registry_writes(url: str) -> int:
-    """Writes so far into the request registry's bucket (its stream's last sequence number)."""
-    nc = await nats.connect(url)
-    try:
-        return int((await nc.jetstream().stream_info(f"KV_{Subjects.REQUESTS_BUCKET}")).state.last_seq)
-    finally:
-        await nc.close()
-
-
 async def test_idle_queue_dispatches_at_intake_and_leaves_nothing_behind(fresh_nats: NatsServer, tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPLITSERVE_MOCK_STEP_MS", "4")
@@ -53,7 +44,6 @@ async def test_idle_queue_dispatches_at_intake_and_leaves_nothing_behind(fresh_n
                            nats_url=url, worker_id="decode-d", log_dir=logs)]
     try:
         await wait_ready(url, ["router-d", "decode-d"], timeout=180)
-        writes_before = await _registry_writes(url)
         async with Client(url) as c:
             # one at a time: the queue is idle each time, so intake dispatches every one itself
             for i in range(6):
@@ -62,11 +52,7 @@ async def test_idle_queue_dispatches_at_intake_and_leaves_nothing_behind(fresh_n
             alone = _queued_lines(logs / "router-d.log")
             # (most, not all: the queue message of the one before counts as waiting from the periodic refresh of
             # the lanes' counts until the loop has pulled and acked it)
-            direct = sum(bool(r["direct"]) for r in alone)
-            assert len(alone) == 6 and direct >= 4, alone
-            # A request intake dispatches itself has its registry record created already claimed, then ended: two
-            # writes (queued, claimed, ended: three, for one the loop pulls)
-            assert await _registry_writes(url) - writes_before == 2 * direct + 3 * (6 - direct)
+            assert len(alone) == 6 and sum(bool(r["direct"]) for r in alone) >= 4, alone
             # a burst past the decoder's slots (a batch of 2, and one more waiting there): the rest wait in the
             # queue and are dispatched by the loop as slots free up; every one ends once
             results = await asyncio.gather(*(c.complete(f"burst {i}", max_tokens=8) for i in range(12)))
