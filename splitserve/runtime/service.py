@@ -113,14 +113,15 @@ class Service:
             # too. Stop at once; a supervisor stopping its children is still there, and they drain.
             self.log.warning("supervisor_gone", parent_pid=self._parent)
             self._stop_now.set()
-        if not self._stop.is_set():
-            self._arm_stop_deadline()
         self._stop.set()
 
-    def _arm_stop_deadline(self) -> None:
+    def arm_stop_deadline(self) -> None:
         """Whatever a stop waits on (a drain, a NATS server that is gone, a library's thread), the process ends
-        within ``drain_timeout_s + STOP_GRACE_S`` of the first signal: a service that cannot stop would hold its
-        ports and its share of the machine for ever."""
+        within ``drain_timeout_s + STOP_GRACE_S`` from now: a service that cannot stop would hold its ports and its
+        share of the machine for ever. Only for a service that owns its process (:func:`run_service`, at the first
+        signal): one running inside a test's or a benchmark's process is never given it. Idempotent."""
+        if self._deadline is not None:
+            return
         limit = self.drain_timeout_s + STOP_GRACE_S
 
         def expire() -> None:
@@ -229,7 +230,7 @@ class Service:
                 await flush_tracing(2.0)
             await self.b.close()
             structlog.contextvars.clear_contextvars()
-            if self._deadline is not None:  # stopped in time (in a test's or a benchmark's process: it goes on)
+            if self._deadline is not None:  # stopped in time
                 self._deadline.cancel()
 
 
@@ -252,8 +253,12 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 def run_service(svc: Service) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
+        def on_signal() -> None:
+            svc.request_stop()
+            svc.arm_stop_deadline()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, svc.request_stop)
+            loop.add_signal_handler(sig, on_signal)
         await svc.run()
 
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
