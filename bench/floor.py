@@ -26,8 +26,9 @@ import argparse
 import asyncio
 import itertools
 import json
-from collections.abc import Awaitable, Callable
 from typing import Any
+
+from bench.peers import Receive, Send, lifespan, read_body
 
 MODEL = "floor"
 IN = "floor.in"  # what the front door publishes: the router's queue group (2 hops) or the decoders' (1 hop)
@@ -91,10 +92,6 @@ async def run_router(url: str, workers: int) -> None:
     await asyncio.Event().wait()
 
 
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-
-
 class Front:
     """A raw ASGI OpenAI-ish front door (``/v1/models``, streaming ``/v1/completions``) over NATS."""
 
@@ -118,20 +115,9 @@ class Front:
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await self.start()
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        body = b""
-        more = True
-        while more:
-            msg = await receive()
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
+            await lifespan(receive, send, self.start)
+            return
+        body = await read_body(receive)
         if scope["method"] == "GET":
             data = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
             await send({"type": "http.response.start", "status": 200,

@@ -61,24 +61,41 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def worker_app(scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
-                     send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-    """A raw ASGI OpenAI-ish server that answers at once (no framework: its own cost stays out of the way)."""
-    if scope["type"] == "lifespan":
-        while True:
-            msg = await receive()
-            if msg["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif msg["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-    path, method = scope["path"], scope["method"]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+async def lifespan(receive: Receive, send: Send, on_startup: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Answer an ASGI lifespan scope (``on_startup`` run before startup completes) until shutdown."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            if on_startup is not None:
+                await on_startup()
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def read_body(receive: Receive) -> bytes:
+    """An ASGI HTTP request's whole body."""
     body = b""
     more = True
     while more:
         msg = await receive()
         body += msg.get("body", b"")
         more = msg.get("more_body", False)
+    return body
+
+
+async def worker_app(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    """A raw ASGI OpenAI-ish server that answers at once (no framework: its own cost stays out of the way)."""
+    if scope["type"] == "lifespan":
+        await lifespan(receive, send)
+        return
+    path, method = scope["path"], scope["method"]
+    body = await read_body(receive)
     if method == "GET":
         if path in ("/v1/models", "/models"):
             out: Any = {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "bench"}]}
