@@ -11,7 +11,9 @@ Row groups (decode steps only): a padded batch makes every row attend over the l
 3,000-token sequence joining 100-token streams made each step read ~30x their KV and doubled the step time.
 The decode batch sorts rows into groups of similar length (``row_groups``, set around the forward); each group
 attends only over its own columns. Masked columns get exactly zero weight, so a group's output is the same as
-the full padded attention's (up to float summation order).
+the full padded attention's (up to float summation order). The decode batch zeroes padding only as far as a
+group reaches, so groups are honoured for every model and device: attention over a column no group reaches
+would read whatever the buffer's memory held.
 """
 
 from __future__ import annotations
@@ -42,8 +44,11 @@ _GROUPS: ContextVar[list[RowGroup] | None] = ContextVar("splitserve_row_groups",
 
 @contextmanager
 def row_groups(groups: list[RowGroup] | None) -> Iterator[None]:
-    """Attend per row group for the forwards run inside this block (one decode step)."""
-    token = _GROUPS.set(groups if groups and len(groups) > 1 else None)
+    """Attend per row group for the forwards run inside this block (one decode step). A single group is kept
+    when it starts past column 0: the batch zeroes padding only as far as each group reaches, so the columns
+    before it may hold anything (garbage that plain attention over every column would read: masked weights are
+    exactly 0, but 0 * NaN is NaN)."""
+    token = _GROUPS.set(groups if groups and (len(groups) > 1 or groups[0].first_column > 0) else None)
     try:
         yield
     finally:
@@ -53,18 +58,19 @@ def row_groups(groups: list[RowGroup] | None) -> Iterator[None]:
 def _grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
              groups: list[RowGroup], scaling: float | None) -> torch.Tensor:
     out = query.new_empty(query.shape)
+    gqa = query.shape[1] != key.shape[1]
     for g in groups:
         c = g.first_column
         if isinstance(g.rows, slice):
             q, k, v, m = query[g.rows], key[g.rows, :, c:], value[g.rows, :, c:], mask[g.rows, ..., c:]
-            out[g.rows] = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scaling, enable_gqa=True)
+            out[g.rows] = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scaling, enable_gqa=gqa)
         else:
             idx = g.rows
             # columns first, then rows: only the group's own columns are gathered
             k, v = key[:, :, c:].index_select(0, idx), value[:, :, c:].index_select(0, idx)
             q, m = query.index_select(0, idx), mask[..., c:].index_select(0, idx)
             out.index_copy_(0, idx, F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scaling,
-                                                                    enable_gqa=True))
+                                                                    enable_gqa=gqa))
     return out
 
 
@@ -79,16 +85,22 @@ def gqa_sdpa_forward(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    direct = (
-        attention_mask is not None
-        and attention_mask.dtype == torch.bool
-        and query.device.type == "cpu"
-        and query.shape[1] != key.shape[1]
-        and kwargs.get("position_bias") is None
-        and kwargs.get("cache") is None
-        and not kwargs.get("output_attentions", False)
-    )
-    if not direct:
+    plain = kwargs.get("position_bias") is None and kwargs.get("cache") is None and not kwargs.get(
+        "output_attentions", False)
+    groups = _GROUPS.get()
+    if groups is not None and plain and query.shape[2] == 1 and attention_mask is not None:
+        # row groups are a correctness matter, not only speed (see row_groups): honoured for every model and
+        # device. Where SDPA cannot broadcast grouped KV heads under a mask (off CPU), they are repeated here.
+        if query.device.type != "cpu" and query.shape[1] != key.shape[1]:
+            repeats = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+        output = _grouped(query, key, value, attention_mask, groups, scaling)
+    elif (plain and attention_mask is not None and attention_mask.dtype == torch.bool
+          and query.device.type == "cpu" and query.shape[1] != key.shape[1]):
+        output = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+        )
+    else:
         return sdpa_attention_forward(
             module,
             query,
@@ -99,14 +111,6 @@ def gqa_sdpa_forward(
             scaling=scaling,
             is_causal=is_causal,
             **kwargs,
-        )
-    groups = _GROUPS.get()
-    if groups is not None and query.shape[2] == 1 and dropout == 0.0:
-        assert attention_mask is not None
-        output = _grouped(query, key, value, attention_mask, groups, scaling)
-    else:
-        output = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
         )
     return output.transpose(1, 2).contiguous(), None
 
