@@ -9,7 +9,11 @@ Targets (``--targets``, all by default):
 * ``sglang-ca``: sglang-router with ``cache_aware`` over those workers;
 * ``splitserve``: ``splitserve up --engine mock`` (step and prefill times zero), its front door's
   ``/v1/completions``, with the durable queue on; its own nats-server's monitoring counts the NATS messages
-  each service sends and receives per request (JetStream API calls and acks included).
+  each service sends and receives per request (JetStream API calls and acks included);
+* ``splitserve-bare``: the same stack with three of its per-request features off: the durable queue
+  (``SPLITSERVE_ROUTER_QUEUE=false``: dispatched at once, not stored), tracing (``SPLITSERVE_TRACING=off``) and
+  the per-request log lines (``--log-level WARNING``). Not a way to run it: what those features cost, and what
+  the rest of the path costs without them, in the same table.
 
 The peers are not project dependencies: they live in their own venv (``--peers-venv``, default
 ``/tmp/splitserve-peers``), created with pinned versions on first use (``make bench-peers``). A target whose
@@ -52,7 +56,10 @@ from bench.stats import cpu_seconds, summary
 PEERS_VENV = Path(os.environ.get("SPLITSERVE_PEERS_VENV", "/tmp/splitserve-peers"))
 PEER_PINS = ("vllm-router==0.1.17", "sglang-router==0.3.2")
 MODEL = "mock-peer"
-TARGETS = ("direct", "vllm-rr", "vllm-ca", "sglang-ca", "floor-1hop", "floor-2hop", "splitserve")
+TARGETS = ("direct", "vllm-rr", "vllm-ca", "sglang-ca", "floor-1hop", "floor-2hop", "splitserve", "splitserve-bare")
+# splitserve-bare: what the stack is told to leave out (see the module docstring)
+BARE_ENV = {"SPLITSERVE_ROUTER_QUEUE": "false", "SPLITSERVE_TRACING": "off"}
+BARE_ARGS = ("--log-level", "WARNING")
 
 
 # ------------------------------------------------------------------------------------- zero-cost worker
@@ -321,16 +328,19 @@ def run_target(target: str, args: argparse.Namespace, logs: Path, workers: list[
             return asyncio.run(measure(target, [url], MODEL, args))
         if target in ("floor-1hop", "floor-2hop"):
             return run_floor(target, args, logs)
-        if target == "splitserve":
+        if target in ("splitserve", "splitserve-bare"):
             from splitserve.natsserver import start_nats
             from splitserve.stackproc import start_stack
 
+            bare = target == "splitserve-bare"
             # zero-cost engine: no step time, no prefill time (what the peers' workers cost)
-            env = {**os.environ, "SPLITSERVE_MOCK_STEP_MS": "0", "SPLITSERVE_MOCK_PREFILL_TPS": "1e12"}
+            env = {**os.environ, "SPLITSERVE_MOCK_STEP_MS": "0", "SPLITSERVE_MOCK_PREFILL_TPS": "1e12",
+                   **(BARE_ENV if bare else {})}
             # its own nats-server with monitoring: the messages each service sends and receives per request
-            nats = start_nats(logs / "nats", monitor=True)
-            sp = start_stack(logs / f"splitserve-{interval}", "--engine", "mock", "--prefill", "1", "--decode",
-                             str(args.workers), "--nats-url", nats.url, "--stream-interval", str(interval), env=env)
+            nats = start_nats(logs / f"nats-{target}-{interval}", monitor=True)
+            sp = start_stack(logs / f"{target}-{interval}", "--engine", "mock", "--prefill", "1", "--decode",
+                             str(args.workers), "--nats-url", nats.url, "--stream-interval", str(interval),
+                             *(BARE_ARGS if bare else ()), env=env)
             try:
                 import urllib.request
 
@@ -507,11 +517,12 @@ def main(argv: list[str] | None = None) -> None:
         results = []
         intervals = [int(i) for i in str(args.stream_interval).split(",") if i]
         for t in targets:
-            for interval in (intervals if t == "splitserve" else [1]):
-                print(f"... {t}" + (f" (stream interval {interval})" if t == "splitserve" else ""), file=sys.stderr,
+            per_interval = t == "splitserve"
+            for interval in (intervals if per_interval else [1]):
+                print(f"... {t}" + (f" (stream interval {interval})" if per_interval else ""), file=sys.stderr,
                       flush=True)
                 res = run_target(t, args, logs, urls, peers, interval)
-                if t == "splitserve" and intervals != [1]:
+                if per_interval and intervals != [1]:
                     res.target = f"splitserve si={interval}"
                 results.append(res)
     finally:
