@@ -27,9 +27,10 @@ def main(
     decoder_prefill_tps: float = typer.Option(400.0, help="assumed decoder prefill speed until it reports one"),
     tenants: str | None = typer.Option(None, "--tenants", help="tenants file (weights, quotas); without it any "
                                        "tenant is served with no limits"),
-    queue: bool = typer.Option(True, "--queue/--no-queue", envvar="SPLITSERVE_ROUTER_QUEUE", help="accepted requests wait in the durable JetStream "
-                               "queue and are dispatched by fair share as capacity frees (--no-queue: dispatch "
-                               "at once, no durability; for comparison)"),
+    queue: bool = typer.Option(True, "--queue/--no-queue", envvar="SPLITSERVE_ROUTER_QUEUE",
+                               help="accepted requests wait in the durable JetStream queue and are dispatched by "
+                               "fair share as capacity frees (--no-queue: dispatch at once, no durability; for "
+                               "comparison)"),
     queue_ack_wait_s: float = typer.Option(30.0, help="a dispatched request's queue message is redelivered this "
                                            "long after its router stops keeping it alive"),
     long_prompt_tokens: int = typer.Option(2048, help="prompts this long decode on the 'long' context pool "
