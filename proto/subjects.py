@@ -183,6 +183,8 @@ class Subjects:
         return f"ss.evt.finished.{check_token(tenant, 'tenant')}.{check_token(request_id, 'request id')}"
 
     FINISHED_ALL = "ss.evt.finished.>"
+    # the front doors' queue group on FINISHED_ALL for the metrics they count (each request by one front door)
+    FINISHED_COUNTERS_QUEUE = "frontend-metrics"
     USAGE_STREAM = "SS_USAGE"  # keeps every RequestFinished (usage metering; "did it finish?" after a restart)
 
     @staticmethod

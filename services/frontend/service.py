@@ -138,7 +138,12 @@ class FrontendService(Service):
     async def start(self) -> None:
         await self.b.subscribe(Subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         self._listening_since = time.monotonic()
+        # Every request's end, twice over: each front door keeps the cluster's recent rates (the console) from all
+        # of them, and counts the metrics of its share (a queue group: summed over the front doors, each request
+        # is counted once, and the counting, most of the work, is not done once per front door).
         await self.b.subscribe(Subjects.FINISHED_ALL, RequestFinished, self.on_finished, scoped=True)
+        await self.b.subscribe(Subjects.FINISHED_ALL, RequestFinished, self.on_finished_counted, scoped=True,
+                               queue=Subjects.FINISHED_COUNTERS_QUEUE)
         self.b.spawn(self.console.run_sampler())
         warning = exposure_warning(self.host, self.api_keys)
         if warning is not None:
@@ -233,7 +238,10 @@ class FrontendService(Service):
         self.cluster_metrics.on_heartbeat(hb, now)
 
     async def on_finished(self, ev: RequestFinished, _: Msg) -> None:
-        self.cluster_metrics.on_finished(ev)
+        self.cluster_metrics.see_finished(ev)
+
+    async def on_finished_counted(self, ev: RequestFinished, _: Msg) -> None:
+        self.cluster_metrics.count_finished(ev)
 
     def metrics(self) -> bytes:
         return self.cluster_metrics.exposition()

@@ -201,23 +201,24 @@ class ClusterMetrics:
 
     # --- feeding ------------------------------------------------------------------------------------------
     def on_finished(self, ev: RequestFinished, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
+        """Both halves below: what a process that sees every request's end alone (``splitserve top``) does."""
+        self.count_finished(ev)
+        self.see_finished(ev, now)
+
+    def count_finished(self, ev: RequestFinished) -> None:
+        """The request's counters and histograms. Several front doors share this work (a NATS queue group): each
+        request is counted by exactly one of them, so summing a series over the front doors (as Prometheus does
+        over pods) gives the cluster's figure, and the cost per request does not grow with the front doors."""
         self._on_finished_vllm_style(ev)
         route = ev.route.value if ev.route is not None else "none"
         self.requests.labels(ev.tenant, route, ev.status).inc()
         if ev.error_code is not None:
             self.errors.labels(ev.error_code.value).inc()
-        completion = 0
         if ev.usage is not None:
             u = ev.usage
-            completion = u.completion_tokens
             self.tokens.labels(ev.tenant, "prompt").inc(u.prompt_tokens)
             self.tokens.labels(ev.tenant, "completion").inc(u.completion_tokens)
             self.tokens.labels(ev.tenant, "cached").inc(u.cached_tokens)
-            self._prompt += u.prompt_tokens
-            self._cached += u.cached_tokens
-            if self._prompt:
-                self.hit_ratio.set(self._cached / self._prompt)
         t = ev.timings
         if t is not None:
             if t.ttft_server_ms is not None:
@@ -233,6 +234,19 @@ class ClusterMetrics:
             itl.observe(g / 1000)
         if ev.kv_bytes:
             self.kv_bytes.inc(ev.kv_bytes)
+
+    def see_finished(self, ev: RequestFinished, now: float | None = None) -> None:
+        """The cluster-wide views every front door keeps whole (cheap): the recent rates of the console and
+        ``snapshot``, and the prefix cache's hit ratio (a gauge: the same cluster value on every front door)."""
+        now = time.monotonic() if now is None else now
+        completion = 0
+        if ev.usage is not None:
+            u = ev.usage
+            completion = u.completion_tokens
+            self._prompt += u.prompt_tokens
+            self._cached += u.cached_tokens
+            if self._prompt:
+                self.hit_ratio.set(self._cached / self._prompt)
         self._recent.append(_Done(now, ev.tenant, ev.status, completion))
         self._trim(now)
 

@@ -138,7 +138,8 @@ def test_metrics_by_vllms_names(stack: StackProc, client: openai.OpenAI, model: 
     client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0)
     deadline = time.monotonic() + 10
     while True:  # RequestFinished reaches the front door asynchronously
-        text = httpx2.get(str(stack.metrics_url)).text  # its own loopback port, not the API's
+        # each front door's own loopback port, not the API's; the request is counted by one of them (a queue group)
+        text = "\n".join(httpx2.get(u).text for u in stack.metrics_urls)
         if f'splitserve:generation_tokens_total{{model_name="{model}"}}' in text or time.monotonic() > deadline:
             break
         time.sleep(0.3)

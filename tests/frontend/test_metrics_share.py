@@ -1,0 +1,69 @@
+"""Several front doors share the counting of request ends: each RequestFinished is counted in the metrics of
+exactly one of them (a NATS queue group), so a series summed over the front doors (as Prometheus sums it over
+pods, and the shipped dashboard does) is the cluster's figure, not N times it; and every front door still keeps
+the cluster's recent rates whole (the console). Real nats-server, two real front doors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve import proto
+from splitserve.natsserver import NatsServer
+from splitserve.proto import RequestFinished, Subjects
+from splitserve.runtime.bus import Bus
+from splitserve.services.frontend.service import FrontendService
+from tests.frontend.test_service import until
+
+ENDS = 40
+
+
+@contextlib.asynccontextmanager
+async def front_doors(url: str, n: int) -> AsyncIterator[list[FrontendService]]:
+    svcs = [FrontendService(f"frontend-{i}", url, port=0, heartbeat_s=0.2, log_level="WARNING") for i in range(n)]
+    tasks = [asyncio.create_task(s.run()) for s in svcs]
+    try:
+        await until(lambda: all(s._state == "ready" or t.done() for s, t in zip(svcs, tasks, strict=True)), 20)
+        for t in tasks:
+            if t.done():
+                t.result()
+        yield svcs
+    finally:
+        for s in svcs:
+            s.request_stop()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 20)
+
+
+def _requests_total(svc: FrontendService) -> float:
+    return sum(s.value for fam in text_string_to_metric_families(svc.metrics().decode()) for s in fam.samples
+               if s.name == "splitserve_requests_total" and s.labels.get("tenant") == "acme")
+
+
+def _seen(svc: FrontendService) -> float:
+    rates = svc.cluster_metrics.snapshot()["tenants"].get("acme", {})
+    return round(rates.get("requests_per_s", 0.0) * svc.cluster_metrics.window_s)
+
+
+async def test_each_request_end_is_counted_by_one_front_door_and_seen_by_all(nats_server: NatsServer) -> None:
+    async with front_doors(nats_server.url, 2) as svcs:
+        bus = await Bus.connect(nats_server.url, "decode-x")
+        try:
+            for i in range(ENDS):
+                await bus.publish(Subjects.finished("acme", f"r{i}"), RequestFinished(
+                    request_id=f"r{i}", tenant="acme", worker_id="decode-x", status="ok", route=proto.Route.DIRECT,
+                    usage=proto.Usage(prompt_tokens=10, completion_tokens=4, cached_tokens=0),
+                    timings=proto.Timings(ttft_server_ms=3.0, total_ms=9.0), itl_ms=[2.0, 2.0, 2.0]))
+            await until(lambda: sum(_requests_total(s) for s in svcs) >= ENDS and all(_seen(s) >= ENDS for s in svcs))
+            await asyncio.sleep(0.3)  # nothing more arrives: no front door counted an end twice or late
+            counts = [_requests_total(s) for s in svcs]
+            assert sum(counts) == ENDS, counts  # before: every front door counted every end (2 x ENDS in all)
+            assert all(0 < c < ENDS for c in counts), counts  # the work is shared (40 ends all to one: ~2e-12)
+            assert [_seen(s) for s in svcs] == [ENDS, ENDS]  # the console's rates stay the cluster's, everywhere
+            ratio = [fam for fam in text_string_to_metric_families(svcs[0].metrics().decode())
+                     if fam.name == "splitserve_prefix_cache_hit_ratio"]
+            assert ratio and ratio[0].samples[0].value == 0.0
+        finally:
+            await bus.close()
