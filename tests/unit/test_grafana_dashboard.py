@@ -82,3 +82,22 @@ def test_dashboard_is_importable() -> None:
     for p in dash["panels"]:
         if p["type"] != "row":
             assert p["datasource"]["uid"] == "${datasource}"
+
+
+def test_every_panel_gives_the_same_figure_from_one_front_door_or_several() -> None:
+    # Every front door is scraped (the k8s base runs two). Counters and histograms are counted by one front door
+    # per request (a queue group), so they must be summed over the front doors; gauges from heartbeats are the
+    # same on each, so they must be de-duplicated (max/avg by the worker), never shown or summed per front door.
+    # Before: workers up by role counted each worker once per front door, and the per-worker panels drew one
+    # line per worker and front door.
+    dash = json.loads(DASHBOARD.read_text())
+    gauges = {v._name for v in vars(ClusterMetrics()).values() if isinstance(v, Gauge)}
+    for p in dash["panels"]:
+        for t in p.get("targets", []):
+            expr = t["expr"].strip()
+            assert re.match(r"(sum|max|avg|count|min)\b|histogram_quantile\(\s*[\d.]+\s*,\s*sum\b", expr), \
+                f"panel {p.get('title')!r}: {expr!r} is not aggregated over the front doors"
+            for name, _ in SERIES.findall(expr):
+                if name in gauges and name != "splitserve_prefix_cache_hit_ratio":
+                    assert re.search(rf"max by \((worker, role|role)\) \({name}\b", expr), \
+                        f"panel {p.get('title')!r}: gauge {name} is not de-duplicated over the front doors"
