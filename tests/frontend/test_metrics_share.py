@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 
 import nats
 from prometheus_client.parser import text_string_to_metric_families
@@ -16,25 +15,9 @@ from splitserve import proto
 from splitserve.natsserver import NatsServer
 from splitserve.proto import RequestFinished, Subjects
 from splitserve.services.frontend.service import FrontendService
-from tests.frontend.test_service import until
+from tests.frontend.test_service import frontend, until
 
 ENDS = 40
-
-
-@contextlib.asynccontextmanager
-async def front_doors(url: str, n: int) -> AsyncIterator[list[FrontendService]]:
-    svcs = [FrontendService(f"frontend-{i}", url, port=0, heartbeat_s=0.2, log_level="WARNING") for i in range(n)]
-    tasks = [asyncio.create_task(s.run()) for s in svcs]
-    try:
-        await until(lambda: all(s._state == "ready" or t.done() for s, t in zip(svcs, tasks, strict=True)), 20)
-        for t in tasks:
-            if t.done():
-                t.result()
-        yield svcs
-    finally:
-        for s in svcs:
-            s.request_stop()
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 20)
 
 
 def _requests_total(svc: FrontendService) -> float:
@@ -48,7 +31,8 @@ def _seen(svc: FrontendService) -> float:
 
 
 async def test_each_request_end_is_counted_by_one_front_door_and_seen_by_all(nats_server: NatsServer) -> None:
-    async with front_doors(nats_server.url, 2) as svcs:
+    async with contextlib.AsyncExitStack() as stack:
+        svcs = [await stack.enter_async_context(frontend(nats_server.url, f"frontend-{i}")) for i in range(2)]
         # a plain connection: a Bus would also store each end in SS_USAGE (no such stream here) and, closing, wait
         # for JetStream to confirm what it never will
         nc = await nats.connect(nats_server.url)

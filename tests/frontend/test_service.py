@@ -87,8 +87,8 @@ async def cluster(nats_server: NatsServer) -> AsyncIterator[FakeCluster]:
 
 
 @contextlib.asynccontextmanager
-async def frontend(url: str, **kw: object) -> AsyncIterator[FrontendService]:
-    svc = FrontendService("frontend-t", url, port=0, heartbeat_s=0.2, log_level="WARNING", **kw)  # type: ignore[arg-type]
+async def frontend(url: str, worker_id: str = "frontend-t", **kw: object) -> AsyncIterator[FrontendService]:
+    svc = FrontendService(worker_id, url, port=0, heartbeat_s=0.2, log_level="WARNING", **kw)  # type: ignore[arg-type]
     task = asyncio.create_task(svc.run())
     for _ in range(500):
         if svc._state == "ready" or task.done():
